@@ -1,0 +1,51 @@
+# One command sets up and runs the main job, one sets up and runs the tests (see README.md).
+# Every cache stays inside the build tree (.cache/), never in the home directory.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines: torch 2.13.0 (a CPU wheel where one is at hand). On a GPU node, install your
+# CUDA build of torch first and run `make TORCH_SPEC=torch ...`, or use an existing venv.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= hf,data,course,dev
+
+CACHE := $(CURDIR)/.cache
+export HF_HOME := $(CACHE)/hf
+export HF_DATASETS_OFFLINE ?= 1
+export HF_HUB_OFFLINE ?= 1
+export XDG_CACHE_HOME := $(CACHE)/xdg
+export TORCHINDUCTOR_CACHE_DIR := $(CACHE)/inductor
+export TRITON_CACHE_DIR := $(CACHE)/triton
+export MPLCONFIGDIR := $(CACHE)/matplotlib
+export IPYTHONDIR := $(CACHE)/ipython
+export JUPYTER_CONFIG_DIR := $(CACHE)/jupyter/config
+export JUPYTER_DATA_DIR := $(CACHE)/jupyter/data
+export JUPYTER_RUNTIME_DIR := $(CACHE)/jupyter/runtime
+export ONENODE_CACHE := $(CACHE)/onenode
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup demo test test-fast clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+## Main job: grade the example A1 cohort on CPU at tiny scale and print the table.
+demo: setup
+	$(VENV)/bin/onenode-grade demo --out out/demo
+
+## Tests: the whole suite (CI runs this; under 20 minutes on 2 cores).
+test: setup
+	$(PY) -m pytest -q
+
+## Quick loop while developing: skip the tests marked slow.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) $(CACHE) out build *.egg-info

@@ -1,0 +1,1 @@
+"""OneNode autograder (TA side). Never imported by student code."""

@@ -1,0 +1,1 @@
+"""OneNode: the student training stack for NemotronH."""
