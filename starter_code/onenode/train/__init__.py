@@ -1,0 +1,1 @@
+"""Training: the step shared by bench, trainer and grader; A2 trainer, checkpoints, sweeps."""

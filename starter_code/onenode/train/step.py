@@ -1,0 +1,132 @@
+"""One optimizer step: loss, backward, gradient clipping, update. Shared by bench, trainer and grader.
+
+Labels convention (the whole kit): `labels` has the shape of `input_ids` and holds each position's
+next-token target (already shifted); positions with -100 are ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy in float32 over positions whose label is not -100."""
+    return F.cross_entropy(
+        logits.flatten(0, -2).float(), labels.flatten().long(), ignore_index=IGNORE_INDEX
+    )
+
+
+def _no_weight_decay(name: str, param: nn.Parameter) -> bool:
+    """Norm weights, biases and other 1-D tensors (A_log, D, dt_bias) are not decayed."""
+    return param.ndim < 2 or name.endswith(".bias")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if _no_weight_decay(name, param) else decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(
+    model: nn.Module,
+    name: str = "adamw",
+    lr: float = 3e-4,
+    weight_decay: float = 0.1,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+) -> torch.optim.Optimizer:
+    """AdamW with decoupled weight decay on matrices only (the A1 default)."""
+    if name != "adamw":
+        raise ValueError(f"unknown optimizer {name!r}: build_optimizer knows 'adamw' (A2's trainer adds Muon)")
+    # foreach is faster on GPU and fine with DTensor parameters from FSDP2 and EP.
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, foreach=True)
+
+
+def _grads_by_mesh(grads: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    """Gradients grouped by DTensor mesh (None for plain tensors): foreach ops need one kind."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    return groups
+
+
+def _local_sq_norm(groups: dict[object, list[torch.Tensor]]) -> torch.Tensor:
+    """Squared L2 norm of gradients, reduced over each DTensor's mesh, as a plain tensor."""
+    total = None
+    for mesh, group in groups.items():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+        if mesh is not None:
+            norm = norm.full_tensor()
+        total = norm.float() ** 2 if total is None else total + norm.float().to(total.device) ** 2
+    return total if total is not None else torch.zeros(())
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, *, cross_rank_group=None) -> float:
+    """Clip all gradients to a global L2 norm and return the norm before clipping.
+
+    DTensor gradients (FSDP2, expert parallel) are reduced over their own meshes; parameters that
+    live on other ranks entirely (pipeline stages) are summed over `cross_rank_group`.
+    """
+    groups = _grads_by_mesh([p.grad for p in model.parameters() if p.grad is not None])
+    sq = _local_sq_norm(groups)
+    if cross_rank_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(sq, group=cross_rank_group)
+    total_norm = float(sq.sqrt())
+    if max_norm and max_norm > 0 and total_norm > max_norm:
+        coef = max_norm / (total_norm + 1e-6)
+        for group in groups.values():
+            torch._foreach_mul_(group, coef)
+    return total_norm
+
+
+def autocast_context(device: torch.device | str, dtype: torch.dtype | None):
+    """bf16 autocast where asked; a no-op context otherwise."""
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+def forward_backward(model, input_ids: torch.Tensor, labels: torch.Tensor, *, autocast_dtype=None):
+    """Loss of one batch with its gradients accumulated. Pipeline runners run their schedule."""
+    if getattr(model, "is_pipeline", False):
+        return model.step(input_ids, labels)
+    with autocast_context(input_ids.device, autocast_dtype):
+        logits = model(input_ids).logits
+    loss = cross_entropy_loss(logits, labels)
+    loss.backward()
+    return loss.detach()
+
+
+def train_step(
+    model,
+    optimizer: torch.optim.Optimizer,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    grad_clip: float = 1.0,
+    autocast_dtype: torch.dtype | None = None,
+) -> dict:
+    """One optimizer step. Returns the loss (None on pipeline stages that do not compute it)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = forward_backward(model, input_ids, labels, autocast_dtype=autocast_dtype)
+    grad_norm = clip_grad_norm_(model, grad_clip, cross_rank_group=getattr(model, "grad_norm_group", None))
+    optimizer.step()
+    value = None if loss is None else float(loss)
+    if value is not None and not math.isfinite(value):
+        raise FloatingPointError(f"loss is {value}: lower the learning rate or check the data")
+    return {"loss": value, "grad_norm": grad_norm}
