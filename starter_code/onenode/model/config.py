@@ -144,11 +144,13 @@ class NemotronHConfig:
             "mamba_conv_bias": "use_conv_bias", "mamba_dt_min": "time_step_min",
             "mamba_dt_max": "time_step_max", "mamba_dt_limit": "time_step_limit",
             "mamba_dt_init_floor": "time_step_floor", "ssm_state_dim": "ssm_state_size",
-            "mamba_d_state": "ssm_state_size",
+            "mamba_d_state": "ssm_state_size", "use_bias": "mamba_proj_bias",
         }
         for old, new in aliases.items():
             if old in d and new not in d:
                 d[new] = d.pop(old)
+        if "time_step_limit" in d:  # transformers writes infinity as {"__float__": "Infinity"}
+            d["time_step_limit"] = [float(x["__float__"]) if isinstance(x, dict) else x for x in d["time_step_limit"]]
         if d.get("num_key_value_heads") is None:
             d["num_key_value_heads"] = d.get("num_attention_heads", cls.num_attention_heads)
         if isinstance(d.get("eos_token_id"), list):

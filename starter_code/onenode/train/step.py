@@ -10,17 +10,11 @@ import contextlib
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
+from onenode.model.nemotron_h import cross_entropy_loss
 
-
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy in float32 over positions whose label is not -100."""
-    return F.cross_entropy(
-        logits.flatten(0, -2).float(), labels.flatten().long(), ignore_index=IGNORE_INDEX
-    )
+__all__ = ["cross_entropy_loss", "param_groups", "build_optimizer", "clip_grad_norm_", "train_step"]
 
 
 def _no_weight_decay(name: str, param: nn.Parameter) -> bool:
@@ -46,10 +40,16 @@ def build_optimizer(
     weight_decay: float = 0.1,
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
+    **muon_options,
 ) -> torch.optim.Optimizer:
-    """AdamW with decoupled weight decay on matrices only (the A1 default)."""
+    """AdamW with decoupled weight decay on matrices only (the A1 default), or "muon": Muon on the
+    2-D hidden matrices and AdamW on the rest (`train/optim.py`; `muon_options` go to Muon)."""
+    if name == "muon":
+        from .optim import build_muon
+
+        return build_muon(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **muon_options)
     if name != "adamw":
-        raise ValueError(f"unknown optimizer {name!r}: build_optimizer knows 'adamw' (A2's trainer adds Muon)")
+        raise ValueError(f"unknown optimizer {name!r}: use 'adamw' or 'muon'")
     # foreach is faster on GPU and fine with DTensor parameters from FSDP2 and EP.
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, foreach=True)
 

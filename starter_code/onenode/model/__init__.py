@@ -1,0 +1,6 @@
+"""NemotronH in plain PyTorch: config and presets, the model, deterministic building."""
+
+from .config import PRESETS, NemotronHConfig, get_preset
+from .nemotron_h import NemotronHForCausalLM, build_model, count_parameters
+
+__all__ = ["NemotronHConfig", "get_preset", "PRESETS", "build_model", "NemotronHForCausalLM", "count_parameters"]

@@ -1,0 +1,189 @@
+"""The Mamba2 mixer and its chunked SSD scan, in plain PyTorch.
+
+Shapes used throughout: b = batch, t = time, h = SSM heads, p = head dim, g = groups (heads in
+one group share B and C), n = state size, c = chunk index, l and s = positions in a chunk.
+
+`ssd_chunked` is a standalone function of tensors only, so it can be `torch.compile`d or swapped
+for a kernel. Where mamba_ssm's Triton SSD imports and the tensors are on CUDA, the mixer can use
+it instead (`config.mamba_kernel`); the package often fails to import (its `__init__` loads a CUDA
+extension), so it is only ever tried lazily and never breaks `import onenode`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import NemotronHConfig
+from .norms import GatedRMSNorm
+
+
+def _segment_sum(a: torch.Tensor) -> torch.Tensor:
+    """`out[..., i, j] = a[..., j+1] + ... + a[..., i]` for i >= j, -inf above the diagonal.
+
+    exp() of it is the decay from position j to position i. Built from a masked cumsum rather than
+    a difference of cumsums, which loses precision when the sums get large.
+    """
+    T = a.size(-1)
+    ones = torch.ones(T, T, dtype=torch.bool, device=a.device)
+    a = a[..., None].expand(*a.shape, T).masked_fill(~torch.tril(ones, diagonal=-1), 0)  # [..., k, j] = a[k]
+    return a.cumsum(dim=-2).masked_fill(~torch.tril(ones), -torch.inf)
+
+
+def ssd_chunked(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The SSD scan `state_t = exp(dt_t A) state_{t-1} + dt_t B_t x_t`, `y_t = C_t state_t + D x_t`.
+
+    x [b, t, h, p], dt [b, t, h] (already softplus-ed and clamped), A [h] (negative),
+    B and C [b, t, g, n], D [h]. Any t: the time axis is zero-padded to a multiple of the chunk
+    (zero dt = no input and no decay, and padding sits after every real step, so it changes
+    nothing). Computes and returns float32 (float64 if x is float64): [b, t, h, p].
+
+    Within a chunk the scan is a masked attention-like matmul (C B^T with the decay mask); across
+    chunks only the [h, p, n] states are carried, by a small recurrence over the chunks.
+    """
+    b, t, h, p = x.shape
+    g, n = B.shape[-2:]
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    pad = (-t) % chunk_size
+    x, dt, B, C = (F.pad(v.to(dtype), (0, 0) * (v.dim() - 2) + (0, pad)) for v in (x, dt, B, C))
+    nc = (t + pad) // chunk_size
+
+    # Heads split as (g, r): head i reads the B and C of group i // r, as repeat_interleave would.
+    xg = x.view(b, nc, chunk_size, g, h // g, p)
+    dtx = xg * dt.view(b, nc, chunk_size, g, h // g, 1)
+    Bc = B.view(b, nc, chunk_size, g, n)
+    Cc = C.view(b, nc, chunk_size, g, n)
+    a = (dt * A.to(dtype)).view(b, nc, chunk_size, g, h // g).permute(0, 3, 4, 1, 2)  # [b, g, r, c, l]
+    a_cum = a.cumsum(dim=-1)
+
+    # 1. Within each chunk: y_l = sum_{s<=l} (C_l . B_s) decay(s->l) dt_s x_s.
+    scores = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)
+    weights = scores[:, :, None] * torch.exp(_segment_sum(a))  # [b, g, r, c, l, s]
+    y = torch.einsum("bgrcls,bcsgrp->bclgrp", weights, dtx)
+
+    # 2. The state each chunk leaves behind, from its own inputs only.
+    decay_to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b, g, r, c, l]
+    chunk_states = torch.einsum("bclgn,bgrcl,bclgrp->bcgrpn", Bc, decay_to_end, dtx)
+
+    # 3. Carry the states across chunks: the state entering chunk z sums every earlier chunk's
+    #    state, decayed over the chunks in between.
+    chunk_states = torch.cat([torch.zeros_like(chunk_states[:, :1]), chunk_states], dim=1)
+    chunk_decay = torch.exp(_segment_sum(F.pad(a_cum[..., -1], (1, 0))))  # [b, g, r, c+1, c+1]
+    start_states = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, chunk_states)[:, :-1]
+
+    # 4. What the incoming state contributes inside each chunk.
+    decay_from_start = torch.exp(a_cum).permute(0, 3, 4, 1, 2)  # [b, c, l, g, r]
+    y = y + torch.einsum("bclgn,bcgrpn->bclgrp", Cc, start_states) * decay_from_start[..., None]
+
+    y = y.reshape(b, nc * chunk_size, h, p)[:, :t]
+    if D is not None:
+        y = y + x[:, :t] * D.to(dtype)[:, None]
+    return y
+
+
+def ssd_naive(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The same scan one time step at a time: slow, obviously right, for tests only."""
+    b, t, h, p = x.shape
+    g = B.shape[2]
+    B = B.repeat_interleave(h // g, dim=2)
+    C = C.repeat_interleave(h // g, dim=2)
+    state = x.new_zeros(b, h, p, B.shape[-1])
+    ys = []
+    for i in range(t):
+        decay = torch.exp(dt[:, i] * A)[:, :, None, None]
+        state = state * decay + (dt[:, i, :, None] * x[:, i])[..., None] * B[:, i, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, C[:, i]))
+    y = torch.stack(ys, dim=1)
+    return y + x * D[:, None] if D is not None else y
+
+
+@functools.cache
+def _mamba_ssm_scan() -> tuple[Callable | None, str]:
+    """mamba_ssm's Triton `mamba_chunk_scan_combined`, or None and the reason it did not import."""
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception as e:  # noqa: BLE001 - a broken CUDA extension raises more than ImportError
+        return None, f"{type(e).__name__}: {e}"
+    return mamba_chunk_scan_combined, ""
+
+
+def select_ssd(kernel: str, device: torch.device) -> Callable:
+    """The scan for `config.mamba_kernel` ("auto", "torch" or "mamba_ssm") on `device`."""
+    if kernel == "torch":
+        return ssd_chunked
+    fast, why_not = _mamba_ssm_scan()
+    if kernel == "mamba_ssm":
+        if fast is None:
+            raise RuntimeError(
+                f"mamba_kernel='mamba_ssm' but mamba_ssm's Triton SSD does not import ({why_not}): "
+                "install mamba-ssm or set mamba_kernel='torch'"
+            )
+        if device.type != "cuda":
+            raise RuntimeError(f"mamba_kernel='mamba_ssm' needs CUDA tensors, got {device}: set mamba_kernel='torch'")
+    if fast is None or device.type != "cuda":
+        return ssd_chunked
+    return fast  # same call signature as ssd_chunked
+
+
+class Mamba2Mixer(nn.Module):
+    """in_proj -> [z, xBC, dt]; causal depthwise conv + SiLU on xBC; SSD; gated norm; out_proj."""
+
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        self.config = config
+        self.num_heads = config.mamba_num_heads
+        self.head_dim = config.mamba_head_dim
+        self.n_groups = config.n_groups
+        self.state_size = config.ssm_state_size
+        self.inner_size = config.mamba_inner_size
+        self.conv_dim = config.mamba_conv_dim
+        self.in_proj = nn.Linear(
+            config.hidden_size, self.inner_size + self.conv_dim + self.num_heads, bias=config.mamba_proj_bias
+        )
+        # Depthwise and causal: pad k-1 on both sides, keep the first t outputs.
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, kernel_size=config.conv_kernel, groups=self.conv_dim,
+            padding=config.conv_kernel - 1, bias=config.use_conv_bias,
+        )
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.D = nn.Parameter(torch.empty(self.num_heads))
+        self.norm = GatedRMSNorm(self.inner_size, self.inner_size // self.n_groups, eps=config.layer_norm_epsilon)
+        self.out_proj = nn.Linear(self.inner_size, config.hidden_size, bias=config.mamba_proj_bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        b, t, _ = hidden_states.shape
+        gs = self.n_groups * self.state_size
+        z, xBC, dt = self.in_proj(hidden_states).split([self.inner_size, self.conv_dim, self.num_heads], dim=-1)
+        xBC = F.silu(self.conv1d(xBC.transpose(1, 2))[..., :t].transpose(1, 2))
+        x, B, C = xBC.split([self.inner_size, gs, gs], dim=-1)
+        # dt in float32 (the reference computes the softplus in the activation dtype).
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.config.time_step_limit)
+        A = -torch.exp(self.A_log.float())
+        ssd = select_ssd(self.config.mamba_kernel, hidden_states.device)
+        y = ssd(
+            x.reshape(b, t, self.num_heads, self.head_dim), dt, A,
+            B.reshape(b, t, self.n_groups, self.state_size), C.reshape(b, t, self.n_groups, self.state_size),
+            self.config.chunk_size, D=self.D,
+        )
+        y = self.norm(y.reshape(b, t, self.inner_size), z)
+        return self.out_proj(y.to(hidden_states.dtype))

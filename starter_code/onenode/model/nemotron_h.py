@@ -1,0 +1,215 @@
+"""NemotronH: pre-norm residual blocks around four kinds of mixer, a backbone and a causal LM head.
+
+Module names follow NVIDIA's remote code (`backbone.embeddings`, `backbone.layers.{i}.norm`,
+`backbone.layers.{i}.mixer`, `backbone.norm_f`, `lm_head`). Every layer has the same call
+signature, `layer(hidden_states) -> hidden_states`, so pipeline stages and activation
+checkpointing can treat the layers as a plain list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention
+from .config import NemotronHConfig
+from .mamba2 import Mamba2Mixer
+from .mlp import MLP
+from .moe import MoE, TopKRouter
+from .norms import GatedRMSNorm, RMSNorm
+
+
+def _dense_mlp(config: NemotronHConfig) -> MLP:
+    return MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+
+
+MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "moe": MoE, "mlp": _dense_mlp}
+
+
+class Block(nn.Module):
+    """`x + mixer(norm(x))`. With `residual_in_fp32` the residual stream is kept in float32."""
+
+    def __init__(self, config: NemotronHConfig, layer_idx: int):
+        super().__init__()
+        self.kind = config.layer_kinds[layer_idx]
+        self.residual_in_fp32 = config.residual_in_fp32
+        self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mixer = MIXERS[self.kind](config)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        residual = hidden_states.float() if self.residual_in_fp32 else hidden_states
+        return residual + self.mixer(self.norm(hidden_states.to(self.norm.weight.dtype)))
+
+
+class NemotronHModel(nn.Module):
+    """The backbone: embeddings, the layers, the final norm (no head)."""
+
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embeddings(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        return self.norm_f(hidden_states)
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # [B, T, V], in the model's dtype
+    loss: torch.Tensor | None = None  # scalar float32, when labels were given
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy in float32 over the positions whose label is not -100.
+
+    `labels` are the targets already shifted: `labels[b, t]` is the token that should follow
+    `input_ids[b, t]` (so `labels[:, :-1] == input_ids[:, 1:]` for one packed sequence), the same
+    shape as `input_ids`, with -100 where nothing is to be predicted.
+    """
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100)
+
+
+class NemotronHForCausalLM(nn.Module):
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        self.config = config
+        self.backbone = NemotronHModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        if self.lm_head.weight.device.type != "meta":
+            self.init_weights(seed=0)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head when the config says so (again after `to_empty`,
+        which gives every module its own new tensors)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
+        """input_ids [B, T] -> logits [B, T, V]; with `labels` (shifted targets, see
+        `cross_entropy_loss`) also the mean loss."""
+        hidden_states = self.backbone(input_ids)
+        logits = self.lm_head(hidden_states.to(self.lm_head.weight.dtype))
+        loss = cross_entropy_loss(logits, labels) if labels is not None else None
+        return CausalLMOutput(logits=logits, loss=loss)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every parameter and buffer from its own generator, seeded by (seed, name).
+
+        A tensor's values depend only on the seed, its fully qualified name and the device type,
+        so a part of the model (a pipeline stage, a shard of experts) initialises exactly as the
+        full model would. The scheme is transformers' NemotronH `_init_weights`.
+        """
+        # Mamba's out_proj writes into the residual stream: GPT-2's 1/sqrt(depth) rescale.
+        rescaled = {m.out_proj for m in self.modules() if isinstance(m, Mamba2Mixer)}
+        seen = set()  # a tied head is initialised once, as the embedding
+        for module_name, module in self.named_modules():
+            tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            for name, tensor in tensors:
+                if tensor.device.type == "meta" or id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                fqn = f"{module_name}.{name}" if module_name else name
+                gen = _generator(seed, fqn, tensor.device)
+                _init_tensor(module, name, tensor, gen, self.config, rescale=module in rescaled)
+
+
+def _generator(seed: int, fqn: str, device: torch.device) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def _init_tensor(module: nn.Module, name: str, tensor: torch.Tensor, gen: torch.Generator,
+                 config: NemotronHConfig, rescale: bool) -> None:
+    std = config.initializer_range
+    if isinstance(module, (RMSNorm, GatedRMSNorm)):
+        tensor.fill_(1.0)
+    elif isinstance(module, TopKRouter) and name == "e_score_correction_bias":
+        tensor.zero_()
+    elif isinstance(module, Mamba2Mixer) and name in ("A_log", "D", "dt_bias"):
+        h = tensor.numel()
+        if name == "A_log":  # A = -(1, 2, ..., h): heads decay at different rates
+            values = torch.log(torch.arange(1, h + 1, dtype=torch.float32))
+        elif name == "D":
+            values = torch.ones(h)
+        else:  # softplus(dt_bias) is log-uniform in [time_step_min, time_step_max], floored
+            lo, hi = math.log(config.time_step_min), math.log(config.time_step_max)
+            u = torch.rand(h, generator=gen, device=tensor.device)
+            dt = torch.exp(u * (hi - lo) + lo).clamp(min=config.time_step_floor)
+            values = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+        tensor.copy_(values)
+    elif name == "bias":
+        tensor.zero_()
+    elif rescale and config.rescale_prenorm_residual:  # torch's default Linear init, / sqrt(layers)
+        nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=gen)
+        tensor.div_(math.sqrt(config.num_hidden_layers))
+    else:  # Linear, Conv1d, Embedding, router and expert weights (also stacked 3-D experts)
+        tensor.normal_(0.0, std, generator=gen)
+
+
+def build_model(config: NemotronHConfig, seed: int = 0, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> NemotronHForCausalLM:
+    """A NemotronH causal LM with deterministic weights (see `init_weights`).
+
+    Built on the meta device first, so nothing is allocated twice; `device="meta"` returns that
+    description as is (a 30B model costs no memory). The router stays in float32 whatever `dtype`.
+    """
+    with torch.device("meta"):
+        model = NemotronHForCausalLM(config)
+    model.to(dtype)
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.float()
+    if torch.device(device).type == "meta":
+        return model
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights(seed)
+    return model
+
+
+def count_parameters(config: NemotronHConfig) -> tuple[int, int]:
+    """(total, active per token) parameters, from the config alone.
+
+    Active counts everything a token touches: embeddings, head, every layer, and in each MoE
+    layer the router, the shared expert and `num_experts_per_tok` routed experts.
+    """
+    h = config.hidden_size
+
+    def linear(fan_in: int, fan_out: int, bias: bool) -> int:
+        return fan_in * fan_out + (fan_out if bias else 0)
+
+    def mlp(inner: int, bias: bool) -> int:
+        return linear(h, inner, bias) + linear(inner, h, bias)
+
+    heads, inner, conv = config.mamba_num_heads, config.mamba_inner_size, config.mamba_conv_dim
+    mamba = (linear(h, inner + conv + heads, config.mamba_proj_bias)
+             + conv * config.conv_kernel + (conv if config.use_conv_bias else 0)
+             + 3 * heads + inner + linear(inner, h, config.mamba_proj_bias))
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    bias = config.attention_bias
+    attention = linear(h, q, bias) + 2 * linear(h, kv, bias) + linear(q, h, bias)
+    expert = mlp(config.moe_intermediate_size, False)
+    moe_shared = config.n_routed_experts * h + mlp(config.moe_shared_expert_intermediate_size, config.mlp_bias)
+    per_kind = {  # (total, active) for one layer, its norm included
+        "mamba": (mamba, mamba),
+        "attention": (attention, attention),
+        "mlp": (mlp(config.intermediate_size, config.mlp_bias),) * 2,
+        "moe": (moe_shared + config.n_routed_experts * expert, moe_shared + config.num_experts_per_tok * expert),
+    }
+    embeddings = config.vocab_size * h
+    total = active = embeddings + h + (0 if config.tie_word_embeddings else embeddings)
+    for kind in config.layer_kinds:
+        total += per_kind[kind][0] + h
+        active += per_kind[kind][1] + h
+    return total, active

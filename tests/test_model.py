@@ -1,0 +1,210 @@
+"""The kit's NemotronH trains, runs under bf16 autocast, builds deterministically, counts its
+parameters, and fails clearly on bad checkpoints."""
+
+import json
+
+import pytest
+import torch
+
+from onenode.model import PRESETS, build_model, count_parameters, get_preset
+from onenode.model.hf_io import adapt_state_dict, load_pretrained, save_pretrained
+from onenode.model.moe import MoE
+
+
+def _batch(config, batch=2, seq=24, seed=0):
+    ids = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(seed))
+    return ids[:, :-1].clone(), ids[:, 1:].clone()
+
+
+def test_adamw_steps_lower_the_loss():
+    config = get_preset("tiny")
+    model = build_model(config, seed=0)
+    ids, labels = _batch(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_loss_is_mean_cross_entropy_over_shifted_labels_ignoring_minus_100():
+    config = get_preset("tiny")
+    model = build_model(config, seed=0)
+    ids, labels = _batch(config)
+    labels[0, :5] = -100
+    out = model(ids, labels=labels)
+    assert out.logits.shape == (*ids.shape, config.vocab_size)
+    keep = labels != -100
+    log_probs = out.logits.float().log_softmax(-1)[keep]
+    expected = -log_probs.gather(1, labels[keep][:, None]).mean()
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_layers_compose_one_by_one():
+    config = get_preset("tiny")
+    model = build_model(config, seed=0)
+    ids, _ = _batch(config, seq=20)
+    hidden = model.backbone.embeddings(ids)
+    for layer in model.backbone.layers:
+        hidden = layer(hidden)
+        assert hidden.shape == (*ids.shape, config.hidden_size)
+    torch.testing.assert_close(model.lm_head(model.backbone.norm_f(hidden)), model(ids).logits)
+
+
+def test_bf16_autocast_forward_backward_on_cpu():
+    config = get_preset("tiny")
+    model = build_model(config, seed=0)
+    ids, labels = _batch(config)
+    reference = model(ids, labels=labels).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, labels=labels)
+    assert out.logits.dtype == torch.bfloat16
+    out.loss.backward()
+    assert abs(out.loss.item() - reference.item()) < 0.05
+    for name, param in model.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+
+
+def test_bf16_weights_keep_router_in_float32():
+    config = get_preset("tiny")
+    model = build_model(config, seed=0, dtype=torch.bfloat16)
+    ids, labels = _batch(config)
+    assert model.backbone.layers[1].mixer.gate.weight.dtype == torch.float32
+    assert model.backbone.layers[1].mixer.gate.e_score_correction_bias.dtype == torch.float32
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    out = model(ids, labels=labels)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+
+
+def test_residual_in_fp32_keeps_the_stream_in_float32_with_bf16_weights():
+    config = get_preset("tiny", residual_in_fp32=True)
+    model = build_model(config, seed=0, dtype=torch.bfloat16)
+    ids, labels = _batch(config, seq=8)
+    hidden = model.backbone.layers[0](model.backbone.embeddings(ids))
+    assert hidden.dtype == torch.float32
+    assert torch.isfinite(model(ids, labels=labels).loss)
+
+
+def test_every_expert_gets_a_gradient_even_without_tokens():
+    config = get_preset("tiny", n_routed_experts=8, num_experts_per_tok=2)
+    moe = build_model(config).backbone.layers[1].mixer
+    assert isinstance(moe, MoE)
+    moe(torch.randn(1, 1, config.hidden_size)).sum().backward()  # one token: 6 experts idle
+    grads = [expert.up_proj.weight.grad for expert in moe.experts]
+    assert all(g is not None for g in grads)
+    assert sum(bool(g.abs().sum() > 0) for g in grads) == 2
+
+
+def test_build_is_deterministic_per_seed_and_per_tensor_name():
+    config = get_preset("tiny")
+    a, b, c = (build_model(config, seed=s).state_dict() for s in (0, 0, 1))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+    random_keys = [k for k in a if a[k].std() > 0 and not k.endswith("A_log")]
+    assert random_keys and all(not torch.equal(a[k], c[k]) for k in random_keys)
+
+    # A part of the model (a pipeline stage keeping layers 0-2) initialises like the full model.
+    part = build_model(config, seed=0, device="meta")
+    del part.backbone.layers[3:]
+    part.lm_head = None
+    part.to_empty(device="cpu")
+    part.init_weights(seed=0)
+    for key, tensor in part.state_dict().items():
+        torch.testing.assert_close(tensor, a[key], rtol=0, atol=0, msg=key)
+
+
+def test_init_follows_the_reference_scheme():
+    config = get_preset("tiny", hidden_size=256)
+    model = build_model(config, seed=0)
+    mamba = model.backbone.layers[0].mixer
+    heads = config.mamba_num_heads
+    torch.testing.assert_close(mamba.A_log, torch.log(torch.arange(1, heads + 1, dtype=torch.float32)))
+    torch.testing.assert_close(mamba.D, torch.ones(heads))
+    dt = torch.nn.functional.softplus(mamba.dt_bias)
+    assert ((dt >= config.time_step_min * 0.999) & (dt <= config.time_step_max * 1.001)).all()
+    bound = 1 / config.mamba_inner_size**0.5 / config.num_hidden_layers**0.5  # kaiming-uniform / sqrt(L)
+    assert mamba.out_proj.weight.abs().max() <= bound and mamba.out_proj.weight.abs().max() > 0.9 * bound
+    assert abs(model.backbone.embeddings.weight.std().item() - config.initializer_range) < 0.002
+    assert (model.backbone.norm_f.weight == 1).all() and (mamba.conv1d.bias == 0).all()
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_count_parameters_matches_meta_model(name):
+    config = get_preset(name)
+    model = build_model(config, device="meta")
+    total, active = count_parameters(config)
+    assert total == sum(p.numel() for p in model.parameters())
+    idle = config.n_routed_experts - config.num_experts_per_tok
+    expert = sum(p.numel() for p in next(m for m in model.modules() if isinstance(m, MoE)).experts[0].parameters())
+    assert active == total - config.layer_kinds.count("moe") * idle * expert
+    if name == "nemotron-3-nano-30b-a3b":
+        assert 31.5e9 < total < 31.7e9 and 3.4e9 < active < 3.7e9
+        assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_tied_embeddings_share_one_tensor_and_roundtrip(tmp_path):
+    config = get_preset("tiny", tie_word_embeddings=True)
+    model = build_model(config, seed=0)
+    assert model.lm_head.weight is model.backbone.embeddings.weight
+    ids, _ = _batch(config)
+    loaded = load_pretrained(save_pretrained(model, tmp_path))
+    assert loaded.lm_head.weight is loaded.backbone.embeddings.weight
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_bad_checkpoints_fail_with_one_clear_line(tmp_path):
+    config = get_preset("tiny")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_pretrained(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_pretrained(tmp_path)
+    config.save(tmp_path)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_pretrained(tmp_path)
+
+    good = save_pretrained(build_model(config), tmp_path / "good")
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_pretrained(tmp_path)
+
+    hf_config = json.loads((good / "config.json").read_text())
+    (good / "config.json").write_text(json.dumps(hf_config | {"vocab_size": 256}))
+    with pytest.raises(ValueError, match="shape mismatch for backbone.embeddings.weight"):
+        load_pretrained(good)
+    (good / "config.json").write_text(json.dumps(hf_config | {"layers_block_type": hf_config["layers_block_type"][:-1]}))
+    with pytest.raises(ValueError, match="lacks, e.g. backbone.layers.7"):
+        load_pretrained(good)
+
+
+class _StackedExperts(torch.nn.Module):
+    """What A1's fix may put in place of the ModuleList: one 3-D tensor per projection."""
+
+    def __init__(self, config, up_shape):
+        super().__init__()
+        e, i, h = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        self.up_proj = torch.nn.Parameter(torch.zeros(e, *up_shape))
+        self.down_proj = torch.nn.Parameter(torch.zeros(e, h, i))
+
+
+@pytest.mark.parametrize("orientation", ["out_in", "in_out"])
+def test_checkpoints_follow_a_stacked_expert_layout(tmp_path, orientation):
+    config = get_preset("tiny")
+    ids, _ = _batch(config)
+    per_expert = build_model(config, seed=0)
+    stacked = build_model(config, seed=1)
+    up_shape = (config.moe_intermediate_size, config.hidden_size)
+    for moe in (m for m in stacked.modules() if isinstance(m, MoE)):
+        moe.experts = _StackedExperts(config, up_shape if orientation == "out_in" else up_shape[::-1])
+    stacked.load_state_dict(adapt_state_dict(per_expert.state_dict(), stacked))
+    moe, ref = stacked.backbone.layers[1].mixer.experts, per_expert.backbone.layers[1].mixer.experts
+    up = moe.up_proj[3] if orientation == "out_in" else moe.up_proj[3].T
+    torch.testing.assert_close(up, ref[3].up_proj.weight)
+    torch.testing.assert_close(moe.down_proj[5], ref[5].down_proj.weight)
+    # saving the stacked model writes what the per-expert model (and transformers) reads
+    reloaded = load_pretrained(save_pretrained(stacked, tmp_path))
+    torch.testing.assert_close(reloaded(ids).logits, per_expert(ids).logits)

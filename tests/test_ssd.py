@@ -1,0 +1,52 @@
+"""The chunked SSD scan equals the step-by-step recurrence, in float64, for any length."""
+
+import pytest
+import torch
+
+from onenode.model.mamba2 import select_ssd, ssd_chunked, ssd_naive
+
+CHUNK = 8
+
+
+def _inputs(t, groups=2, heads=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, p, n = 2, 3, 5
+    kw = dict(dtype=torch.float64, generator=g)
+    return dict(
+        x=torch.randn(b, t, heads, p, **kw),
+        dt=torch.rand(b, t, heads, **kw) * 0.5,
+        A=-torch.rand(heads, **kw) * 4,
+        B=torch.randn(b, t, groups, n, **kw),
+        C=torch.randn(b, t, groups, n, **kw),
+    )
+
+
+@pytest.mark.parametrize("t", [1, 5, CHUNK, 3 * CHUNK, 2 * CHUNK + 3])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_chunked_equals_recurrence(t, groups):
+    inp = _inputs(t, groups)
+    D = torch.randn(4, dtype=torch.float64)
+    torch.testing.assert_close(ssd_chunked(**inp, chunk_size=CHUNK, D=D), ssd_naive(**inp, D=D), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ssd_chunked(**inp, chunk_size=CHUNK), ssd_naive(**inp), rtol=1e-10, atol=1e-10)
+
+
+def test_chunked_gradients_equal_recurrence():
+    inp = {k: v.requires_grad_() for k, v in _inputs(2 * CHUNK + 3, seed=1).items()}
+    weight = torch.randn(2, 2 * CHUNK + 3, 4, 3, dtype=torch.float64)
+    grads = [torch.autograd.grad((f() * weight).sum(), list(inp.values())) for f in (
+        lambda: ssd_chunked(**inp, chunk_size=CHUNK), lambda: ssd_naive(**inp))]
+    for chunked, naive in zip(*grads):
+        torch.testing.assert_close(chunked, naive, rtol=1e-9, atol=1e-9)
+
+
+def test_float32_inputs_compute_in_float32():
+    inp = {k: v.float() for k, v in _inputs(11).items()}
+    y = ssd_chunked(**inp, chunk_size=CHUNK)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, ssd_naive(**inp), rtol=1e-4, atol=1e-4)
+
+
+def test_forced_mamba_ssm_kernel_on_cpu_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="mamba_kernel='torch'"):
+        select_ssd("mamba_ssm", torch.device("cpu"))
+    assert select_ssd("auto", torch.device("cpu")) is ssd_chunked
