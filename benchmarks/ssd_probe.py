@@ -1,0 +1,119 @@
+"""Mamba2's SSD scan alone: every implementation at hand, its speed and its error against float64.
+
+    PYTHONPATH=starter_code python3 benchmarks/ssd_probe.py --preset a1-1gpu --seq-len 4096 --out ssd.json
+
+Candidates: the kit's torch `ssd_chunked` eager, the same under `torch.compile`, and mamba_ssm's
+Triton `mamba_chunk_scan_combined` where it imports. Each runs forward + backward on the shapes
+of one Mamba layer of the preset (bf16 x, B, C as under autocast; float32 dt, A, D), timed with
+CUDA events after warm-up; output and input-gradient errors are relative to `ssd_chunked` in
+float64. The fastest candidate whose errors stay within bf16 rounding is the one to use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from onenode.model import get_preset
+from onenode.model.mamba2 import _mamba_ssm_scan, ssd_chunked
+
+MAX_RELATIVE_ERROR = 2e-2  # bf16 inputs: about 1e-3 is typical, a wrong scan is off by O(1)
+
+
+def inputs(preset: str, batch: int, seq_len: int, device: torch.device) -> tuple[dict, int, torch.Tensor]:
+    config = get_preset(preset)
+    h, p, g, n = config.mamba_num_heads, config.mamba_head_dim, config.n_groups, config.ssm_state_size
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    low = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tensors = {
+        "x": randn(batch, seq_len, h, p).to(low),
+        "dt": F.softplus(randn(batch, seq_len, h) - 4.0),  # around 0.02, like the initialised dt
+        "A": -torch.arange(1, h + 1, device=device, dtype=torch.float32),  # the initialised A
+        "B": randn(batch, seq_len, g, n).to(low),
+        "C": randn(batch, seq_len, g, n).to(low),
+        "D": torch.ones(h, device=device),
+    }
+    return tensors, config.chunk_size, randn(batch, seq_len, h, p)
+
+
+def forward_backward(fn, tensors: dict, chunk: int, grad_out: torch.Tensor) -> tuple[torch.Tensor, list]:
+    leaves = {k: v.detach().clone().requires_grad_(k in ("x", "dt", "B", "C")) for k, v in tensors.items()}
+    y = fn(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk, D=leaves["D"])
+    y.backward(grad_out.to(y.dtype))
+    return y.detach(), [leaves[k].grad for k in ("x", "dt", "B", "C")]
+
+
+def relative_error(a: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((a.double() - reference).norm() / reference.norm().clamp_min(1e-30))
+
+
+def time_ms(fn, tensors: dict, chunk: int, grad_out: torch.Tensor, device: torch.device, reps: int) -> float:
+    for _ in range(3):
+        forward_backward(fn, tensors, chunk, grad_out)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            forward_backward(fn, tensors, chunk, grad_out)
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            forward_backward(fn, tensors, chunk, grad_out)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="a1-1gpu")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile candidate")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    tensors, chunk, grad_out = inputs(args.preset, args.batch, args.seq_len, device)
+    reference = forward_backward(ssd_chunked, {k: v.double() for k, v in tensors.items()}, chunk, grad_out.double())
+    candidates = {"torch": ssd_chunked}
+    if not args.no_compile:
+        candidates["torch-compiled"] = torch.compile(ssd_chunked)
+    fast, why_not = _mamba_ssm_scan()
+    if fast is not None and device.type == "cuda":
+        candidates["mamba_ssm"] = fast
+    results = {"preset": args.preset, "batch": args.batch, "seq_len": args.seq_len, "device": str(device),
+               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+               "torch": torch.__version__, "mamba_ssm": why_not or "imported", "candidates": {}}
+    for name, fn in candidates.items():
+        y, grads = forward_backward(fn, tensors, chunk, grad_out)
+        errors = {"y": relative_error(y, reference[0])}
+        errors |= {f"grad_{k}": relative_error(g, r) for k, g, r in zip(("x", "dt", "B", "C"), grads, reference[1])}
+        ms = time_ms(fn, tensors, chunk, grad_out, device, args.reps)
+        correct = max(errors.values()) < MAX_RELATIVE_ERROR
+        results["candidates"][name] = {"fwd_bwd_ms": ms, "relative_errors": errors, "correct": correct}
+        print(f"{name:<16} {ms:>9.2f} ms fwd+bwd   max relative error {max(errors.values()):.1e}"
+              + ("" if correct else "   WRONG"), flush=True)
+    good = {n: c for n, c in results["candidates"].items() if c["correct"]}
+    results["fastest_correct"] = min(good, key=lambda n: good[n]["fwd_bwd_ms"]) if good else None
+    print(f"fastest correct: {results['fastest_correct']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0 if good else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""torch.profiler helpers for `onenode bench`: a trace file, the top kernels, compute vs communication.
+
+A profile is the evidence behind a speed claim: it shows which kernels the time went to and
+how much of a step waited on collectives. On CUDA the kernel timeline is read (NCCL kernels run
+on their own streams, so communication can overlap compute); on CPU, where gloo collectives run
+inside the calling op, the CPU-side intervals of the collective ops are read instead.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+# Kernels and ops that move data between ranks (NCCL kernels, gloo ops, c10d and functional
+# collectives, and their waits).
+COLLECTIVE = re.compile(
+    r"nccl|gloo|c10d::|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|broadcast|wait_tensor",
+    re.IGNORECASE,
+)
+
+
+@contextmanager
+def profiled(device: torch.device):
+    """A torch.profiler session over the steps run inside the block (CPU, plus CUDA on a GPU)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=False) as prof:
+        yield prof
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals."""
+    total, end_so_far = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= end_so_far:
+            continue
+        total += end - max(start, end_so_far)
+        end_so_far = end
+    return total
+
+
+def _device_kernels(prof) -> list:
+    return [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+def time_split(prof, device: torch.device) -> dict[str, float]:
+    """Seconds of the profiled window busy with compute, with communication, and with both.
+
+    CUDA: union of the kernel intervals on the GPU, collective kernels apart from the rest;
+    `exposed_comm_s` is communication that no compute kernel overlapped. CPU: the intervals of
+    the top-level collective ops against the whole window (gloo blocks the calling thread, so
+    nothing overlaps).
+    """
+    events = prof.events()
+    if device.type == "cuda":
+        kernels = _device_kernels(prof)
+        comm = [(e.time_range.start, e.time_range.end) for e in kernels if COLLECTIVE.search(e.name)]
+        compute = [(e.time_range.start, e.time_range.end) for e in kernels if not COLLECTIVE.search(e.name)]
+        busy = union_us(comm + compute)
+        comm_us, compute_us = union_us(comm), union_us(compute)
+        exposed_us = busy - compute_us
+    else:
+        spans = [(e.time_range.start, e.time_range.end) for e in events if e.time_range.end > e.time_range.start]
+        comm = [(e.time_range.start, e.time_range.end) for e in events if COLLECTIVE.search(e.name)]
+        busy = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0
+        comm_us = exposed_us = union_us(comm)
+        compute_us = busy - comm_us
+    return {"busy_s": busy / 1e6, "compute_s": compute_us / 1e6, "comm_s": comm_us / 1e6,
+            "exposed_comm_s": exposed_us / 1e6}
+
+
+def top_kernels(prof, device: torch.device, limit: int = 15) -> list[dict]:
+    """The `limit` kernels (CUDA) or ops (CPU) with the most self time, with their share."""
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    rows = [e for e in prof.key_averages()
+            if (e.device_type == DeviceType.CUDA) == (device.type == "cuda") and getattr(e, key) > 0]
+    total = sum(getattr(e, key) for e in rows) or 1.0
+    rows.sort(key=lambda e: getattr(e, key), reverse=True)
+    return [{"name": e.key, "calls": e.count, "self_s": getattr(e, key) / 1e6, "share": getattr(e, key) / total}
+            for e in rows[:limit]]
+
+
+def write_trace(prof, folder: str | Path, rank: int) -> Path:
+    """The Chrome/Perfetto JSON trace of this rank (open it at https://ui.perfetto.dev)."""
+    path = Path(folder) / f"trace_rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    return path
+
+
+def format_top_kernels(rows: list[dict]) -> str:
+    lines = [f"{'self time':>10} {'share':>6} {'calls':>6}  kernel"]
+    for r in rows:
+        name = r["name"] if len(r["name"]) <= 90 else r["name"][:87] + "..."
+        lines.append(f"{r['self_s'] * 1e3:>8.2f}ms {r['share']:>6.1%} {r['calls']:>6}  {name}")
+    return "\n".join(lines)
