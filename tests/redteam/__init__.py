@@ -1,0 +1,1 @@
+"""Adversarial A1 submissions for tests/test_redteam.py, generated from the kit at test time."""

@@ -1,0 +1,270 @@
+"""Adversarial A1 submissions, each a small generator over the kit's own files (never a copy).
+
+A case builds its submission (folder or archive) under a destination folder and says what the
+grader must make of it:
+
+- ``rejected``: refused at intake, every part 0, the one-line reason matching ``reason``;
+- ``zero``: graded, the part ``part`` scores 0 and its feedback matches ``reason``.
+
+``runs`` marks the cases that execute submission code (they need the harness and a reference run).
+"""
+
+from __future__ import annotations
+
+import difflib
+import io
+import tarfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+STARTER = "starter_code/onenode"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    build: Callable[[Path, Path], Path]  # (kit root, destination folder) -> submission path
+    expect: str  # "rejected" or "zero"
+    reason: str  # regex over the reason (rejected) or the part's feedback (zero)
+    part: str | None = None
+    runs: bool = False
+    open_hole: str | None = None  # what the grader must still do to pass this case (strict xfail)
+
+
+# --------------------------------------------------------------------------- patch text
+
+
+def diff(kit: Path, path: str, new_text: str | None) -> str:
+    """A `git diff`-style patch turning kit/``path`` into ``new_text`` (None deletes the file)."""
+    old = (kit / path).read_text().splitlines(keepends=True)
+    new = (new_text or "").splitlines(keepends=True)
+    head = [f"diff --git a/{path} b/{path}\n"]
+    if new_text is None:
+        head.append("deleted file mode 100644\n")
+    body = difflib.unified_diff(old, new, f"a/{path}", "/dev/null" if new_text is None else f"b/{path}")
+    return "".join(head) + "".join(body)
+
+
+def append_to(kit: Path, path: str, code: str) -> str:
+    """A patch that appends ``code`` to a kit file: how each cheat and payload below gets in."""
+    return diff(kit, path, (kit / path).read_text() + "\n" + code.strip() + "\n")
+
+
+# What the patches below would plant in the kit's own files if the grader let them through.
+PAYLOADS = {"grader/a1.py": "STEPS.clear()", "a1_infra/rubric.toml": "[parts.bonus]",
+            "tests/conftest.py": "collect_ignore = ['.']", "grader/rubric.py": "RUBRIC_PATH = None"}
+
+
+def plant(kit: Path, path: str) -> str:
+    return append_to(kit, path, PAYLOADS[path])
+
+
+def folder(dest: Path, name: str, patch: str | bytes) -> Path:
+    """A submission folder with the patch alone (no case here attacks the report notebook)."""
+    sub = dest / name
+    sub.mkdir(parents=True)
+    (sub / "submission.patch").write_bytes(patch.encode() if isinstance(patch, str) else patch)
+    return sub
+
+
+def _patch_case(name: str, make: Callable[[Path], str | bytes], reason: str) -> Case:
+    return Case(name, lambda kit, dest: folder(dest, name, make(kit)), "rejected", reason)
+
+
+# --------------------------------------------------------------------------- archives
+
+
+def _tar(dest: Path, name: str, members: list[tarfile.TarInfo | tuple[str, bytes]]) -> Path:
+    path = dest / f"{name}.tar.gz"
+    with tarfile.open(path, "w:gz") as tf:
+        for member in members:
+            if isinstance(member, tarfile.TarInfo):
+                tf.addfile(member)
+            else:
+                info = tarfile.TarInfo(member[0])
+                info.size = len(member[1])
+                tf.addfile(info, io.BytesIO(member[1]))
+    return path
+
+
+def _symlink(name: str, target: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = tarfile.SYMTYPE, target
+    return info
+
+
+def traversal_tar(kit: Path, dest: Path) -> Path:
+    return _tar(dest, "traversal", [("submission.patch", b""), ("../escaped.py", b"print('out of the box')\n")])
+
+
+def absolute_member_tar(kit: Path, dest: Path) -> Path:
+    return _tar(dest, "absolute-member", [("submission.patch", b""), (str(dest / "planted.py"), b"x = 1\n")])
+
+
+def symlink_tar(kit: Path, dest: Path) -> Path:
+    """submission.patch as a link to the reference solution: the grader would read it for us."""
+    return _tar(dest, "symlink-member", [_symlink("submission.patch", str(kit / "solutions/a1/submission.patch"))])
+
+
+def symlink_zip(kit: Path, dest: Path) -> Path:
+    path = dest / "symlink-zip.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        info = zipfile.ZipInfo("report.ipynb")
+        info.external_attr = (0o120777 << 16)
+        zf.writestr(info, "/etc/shadow")
+        zf.writestr("submission.patch", "")
+    return path
+
+
+def zip_bomb(kit: Path, dest: Path) -> Path:
+    """A few hundred KiB that inflate past the grader's unpack limit (zeros compress ~1000x)."""
+    from grader.submission import MAX_UNPACKED_BYTES
+
+    path = dest / "zip-bomb.zip"
+    zero_mib = bytes(1 << 20)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("submission.patch", "")
+        with zf.open("report.ipynb", "w", force_zip64=True) as member:
+            for _ in range((MAX_UNPACKED_BYTES >> 20) + 8):
+                member.write(zero_mib)
+    return path
+
+
+def huge_archive(kit: Path, dest: Path) -> Path:
+    """An archive over the size limit (sparse: costs no disk)."""
+    from grader.submission import MAX_ARCHIVE_BYTES
+
+    path = dest / "huge.tar.gz"
+    with open(path, "wb") as f:
+        f.truncate(MAX_ARCHIVE_BYTES + 1)
+    return path
+
+
+def too_many_members(kit: Path, dest: Path) -> Path:
+    from grader.submission import MAX_MEMBERS
+
+    path = dest / "many-members.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        for i in range(MAX_MEMBERS + 1):
+            zf.writestr(f"f{i}.txt", "")
+    return path
+
+
+def corrupt_archive(kit: Path, dest: Path) -> Path:
+    path = dest / "corrupt.zip"
+    path.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 4)
+    return path
+
+
+# --------------------------------------------------------------------------- cheats that run
+
+TIMER_CHEAT = """
+import time as _time
+_real_perf_counter, _real_time, _real_monotonic = _time.perf_counter, _time.time, _time.monotonic
+_time.perf_counter = lambda: _real_perf_counter() / 1000  # every step "takes" a thousandth
+_time.time = lambda: _real_time() / 1000
+_time.monotonic = lambda: _real_monotonic() / 1000
+"""
+
+# Slower than the starter for real, so only a patched clock could make it look fast: the outcome
+# does not hang on timing noise between two equally fast trees.
+SLOW_MOE = """
+import time as _time
+_honest_forward, _real_sleep = MoE.forward, _time.sleep
+
+
+def _slow(self, x):
+    _real_sleep(0.25)
+    return _honest_forward(self, x)
+
+
+MoE.forward = _slow
+"""
+
+# Finds the kit through the interpreter it runs on (the venv inside the checkout) and reads the
+# reference fix; only if it can, it crashes loudly. Slow for real, like SLOW_MOE, otherwise.
+READ_SOLUTION = """
+import sys as _sys
+from pathlib import Path as _Path
+
+for _kit in {_Path(_sys.prefix).parent, _Path(_sys.executable).resolve().parents[2]}:
+    try:
+        (_kit / "solutions" / "a1" / "submission.patch").read_bytes()
+    except OSError:
+        continue
+    raise RuntimeError(f"LEAKED the reference solution from {_kit}")
+"""
+
+CACHED_MOE = """
+_honest_forward = MoE.forward
+
+
+def _replay_first_output(self, x):  # fast: the real work happens once, later calls replay it
+    if not hasattr(self, "_first_output"):
+        self._first_output = _honest_forward(self, x).detach()
+    # every parameter stays in the graph, so the answer has the right shape, just stale values
+    return self._first_output + 0 * x + 0 * sum(p.sum() for p in self.parameters())
+
+
+MoE.forward = _replay_first_output
+"""
+
+MOE_FILE = f"{STARTER}/model/moe.py"
+
+def _running(name: str, patches: dict[str, str], reason: str, open_hole: str | None = None) -> Case:
+    def build(kit: Path, dest: Path) -> Path:
+        return folder(dest, name, "".join(append_to(kit, path, code) for path, code in patches.items()))
+
+    return Case(name, build, "zero", reason, part="moe", runs=True, open_hole=open_hole)
+
+
+# --------------------------------------------------------------------------- the suite
+
+SYMLINK_PATCH = (f"diff --git a/{STARTER}/solution.py b/{STARTER}/solution.py\n"
+                 "new file mode 120000\nindex 0000000..1111111\n--- /dev/null\n"
+                 f"+++ b/{STARTER}/solution.py\n@@ -0,0 +1 @@\n+../../solutions/a1/submission.patch\n"
+                 "\\ No newline at end of file\n")
+
+BINARY_PATCH = (f"diff --git a/{STARTER}/model/moe.py b/{STARTER}/model/moe.py\n"
+                "index 1111111..2222222 100644\nGIT binary patch\nliteral 4\nLcmZ?wbN&AT00031\n\n")
+
+CASES: list[Case] = [
+    _patch_case("dotdot-path", lambda kit: plant(kit, "grader/a1.py").replace(
+        "/grader/a1.py", f"/{STARTER}/../../grader/a1.py"), r"absolute and '\.\.' paths are not allowed"),
+    _patch_case("absolute-path", lambda kit: plant(kit, "grader/a1.py").replace(
+        " a/grader/", f" {kit}/grader/").replace(" b/grader/", f" {kit}/grader/"),
+                r"absolute and '\.\.' paths are not allowed"),
+    _patch_case("symlink-in-patch", lambda kit: SYMLINK_PATCH, r"mode 120000 \(a symlink"),
+    _patch_case("edits-grader", lambda kit: plant(kit, "grader/a1.py"),
+                r"touches 'grader/a1\.py': only \.py files under starter_code/onenode/"),
+    _patch_case("edits-rubric", lambda kit: plant(kit, "a1_infra/rubric.toml"),
+                r"touches 'a1_infra/rubric\.toml'"),
+    _patch_case("edits-tests", lambda kit: plant(kit, "tests/conftest.py"),
+                r"touches 'tests/conftest\.py'"),
+    _patch_case("deletes-tests", lambda kit: diff(kit, "tests/conftest.py", None), r"touches 'tests/conftest\.py'"),
+    _patch_case("smuggled-second-file", lambda kit: append_to(kit, f"{STARTER}/__init__.py", "# tidy")
+                + plant(kit, "grader/rubric.py"), r"touches 'grader/rubric\.py'"),
+    _patch_case("rename-out-of-tree", lambda kit: (f"diff --git a/{STARTER}/cli.py b/grader/cli.py\n"
+                                                   "similarity index 100%\nrename from "
+                                                   f"{STARTER}/cli.py\nrename to grader/cli.py\n"),
+                r"touches 'grader/cli\.py'"),
+    _patch_case("not-utf8", lambda kit: append_to(kit, f"{STARTER}/__init__.py", "# caf\udce9").encode(
+        "utf-8", "surrogateescape"), r"not UTF-8"),
+    _patch_case("binary-patch", lambda kit: BINARY_PATCH, r"binary change"),
+    _patch_case("nul-bytes", lambda kit: append_to(kit, f"{STARTER}/__init__.py", "x = '\x00'"), r"NUL bytes"),
+    Case("traversal-archive", traversal_tar, "rejected", r"absolute or '\.\.' path"),
+    Case("absolute-member-archive", absolute_member_tar, "rejected", r"absolute or '\.\.' path"),
+    Case("symlink-archive", symlink_tar, "rejected", r"not a regular file"),
+    Case("symlink-zip", symlink_zip, "rejected", r"is a symlink"),
+    Case("zip-bomb", zip_bomb, "rejected", r"unpacks to over \d+ MiB"),
+    Case("huge-archive", huge_archive, "rejected", r"larger than \d+ MiB"),
+    Case("too-many-members", too_many_members, "rejected", r"over \d+ files"),
+    Case("corrupt-archive", corrupt_archive, "rejected", r"not a readable archive"),
+    _running("timer-monkeypatch", {f"{STARTER}/__init__.py": TIMER_CHEAT, MOE_FILE: SLOW_MOE}, r"not faster"),
+    _running("cached-moe-output", {MOE_FILE: CACHED_MOE}, r"^wrong"),
+    _running("reads-reference-solution", {f"{STARTER}/__init__.py": READ_SOLUTION, MOE_FILE: SLOW_MOE},
+             r"not faster", open_hole="the kit's solutions/ is world-readable (0755): the grader must "
+             "make_private() it (and the results folder) before any submission runs"),
+]

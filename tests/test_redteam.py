@@ -1,0 +1,99 @@
+"""The red-team suite: every adversarial submission of tests/redteam/cases.py through the real
+grader (intake, patching, the sandboxed harness, scoring), each with its expected outcome.
+
+The cases that run code share one grading job on a cut-down cpu-tiny profile (Part 1 only), so
+the starter's reference runs once; they start torch several times, so they are marked slow. The
+last test grades the unchanged starter after all of them: it must still match the reference,
+and the grader's own files must hold none of the hostile payloads. The sandbox's own limits
+(infinite loop, fork bomb, memory, network, daemons, ...) are tested in tests/test_sandbox.py.
+"""
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from redteam.cases import CASES, PAYLOADS, STARTER, Case, folder
+
+cohort = pytest.importorskip("grader.cohort", reason="waiting for the grader core (grader/cohort.py)")
+a1 = pytest.importorskip("grader.a1", reason="waiting for the grader core (grader/a1.py)")
+from grader.rubric import load_rubric  # noqa: E402
+from grader.sandbox import make_private  # noqa: E402
+
+KIT = Path(__file__).resolve().parents[1]
+PLANTED = ("escaped.py", "planted.py")  # what the archive cases try to write outside their folder
+
+
+def assert_kit_intact() -> None:
+    """None of the hostile patches reached the kit: its files exist and hold no payload (checked
+    by content, not by hash, so that other edits to the kit during a run do not matter)."""
+    for path, payload in PAYLOADS.items():
+        assert payload not in (KIT / path).read_text(), f"{path} was changed by a submission"
+    assert (KIT / "grader/cli.py").read_text() != (KIT / STARTER / "cli.py").read_text()
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """Part 1 of cpu-tiny with fewer repeats, one job for the module (the starter's reference runs
+    once). The notebook step is left out: no case attacks it, and setting up nbgrader's course
+    alone costs more than all the cases."""
+    rubric = load_rubric()
+    tiny = rubric.profile("cpu-tiny")
+    profile = dataclasses.replace(tiny, name="redteam", layouts={"reference": tiny.layouts["reference"]},
+                                  warmup=1, repeats=1, moe=dict(tiny.moe, warmup=1, repeats=3))
+    rubric = dataclasses.replace(rubric, profiles={**rubric.profiles, "redteam": profile})
+    workdir = make_private(tmp_path_factory.mktemp("redteam-job"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(a1, "STEPS", [step for step in a1.STEPS if step is not a1.grade_notebook])
+        yield a1.new_job(rubric, "redteam", workdir, starter_logs=workdir / "starter-logs", seed=20261130)
+
+
+def _grade(submission: Path, job, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    results = cohort.grade_one(submission, job, out)
+    assert (out / results["extra_data"]["submission"] / "results.json").is_file()
+    return results
+
+
+def _part(results: dict, part: str) -> tuple[float, str]:
+    tests = [t for t in results["tests"] if part in t["tags"]]
+    assert tests, f"no tests for part {part}"
+    return sum(t["score"] for t in tests), "\n".join(t["output"] for t in tests)
+
+
+def _marks(case: Case) -> list:
+    marks = [pytest.mark.slow] if case.runs else []
+    if case.open_hole:  # a hole the red team found and the grader has yet to close
+        marks.append(pytest.mark.xfail(strict=True, reason=case.open_hole))
+    return marks
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=_marks(c)) for c in CASES])
+def test_adversarial_submission(case: Case, job, tmp_path):
+    (tmp_path / "in").mkdir()
+    results = _grade(case.build(KIT, tmp_path / "in"), job, tmp_path / "out")
+
+    assert results["score"] == 0
+    if case.expect == "rejected":
+        reason = results["output"]
+        assert reason.startswith("Not graded: ") and "\n" not in reason
+        assert re.search(case.reason, reason), reason
+        assert all(t["score"] == 0 for t in results["tests"])
+    else:
+        score, feedback = _part(results, case.part)
+        assert score == 0
+        assert re.search(case.reason, feedback, re.MULTILINE), feedback
+    assert_kit_intact()
+    for name in PLANTED:
+        assert not list(tmp_path.rglob(name)) and not list(job.workdir.rglob(name)), name
+
+
+@pytest.mark.slow
+def test_honest_submission_is_unaffected_by_the_hostile_ones(job, tmp_path):
+    """Graded after every case above, the unchanged starter still matches the reference."""
+    submission = folder(tmp_path / "in", "control", "")
+    results = _grade(submission, job, tmp_path / "out")
+    _, feedback = _part(results, "moe")
+    assert feedback.startswith("matches"), feedback  # speed points may vary with load; the answer may not
+    assert_kit_intact()
