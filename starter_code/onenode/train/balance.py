@@ -1,0 +1,101 @@
+"""MoE load balancing from outside the model: forward hooks on every router (`mixer.gate`).
+
+Auxiliary-loss-free balancing (DeepSeek-V3, Nemotron-H): after each optimizer step every
+router's `e_score_correction_bias` moves by `rate * sign(mean_load - load)`, so overloaded
+experts get chosen less. The bias only steers the choice, never the weights, so it changes no
+gradient. The load of a step is counted from the top-k indices each router returns, summed
+over micro-batches and over the ranks that saw different data. Optionally a switch-style
+auxiliary loss `E * sum_i f_i * P_i` (fraction of assignments times mean normalised score).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+ROUTER_SUFFIX = "mixer.gate"
+
+
+def _recomputing() -> bool:
+    """True while autograd runs a backward pass: activation checkpointing re-runs the forward
+    there, and its routing (identical to the first pass) must not be counted twice."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _topk_indices(output) -> torch.Tensor:
+    """The integer tensor among a router's outputs: (idx, weight) here, (logits, weight, idx) in HF."""
+    for item in output if isinstance(output, (tuple, list)) else (output,):
+        if isinstance(item, torch.Tensor) and not item.is_floating_point():
+            return item
+    raise TypeError("a router (mixer.gate) returned no integer top-k indices: the balancing hook reads them")
+
+
+class RouterBalancer:
+    """Counts expert load per router each step; updates the bias and gives the auxiliary loss."""
+
+    def __init__(self, model: nn.Module, aux_loss: bool = False):
+        self.routers = {name: m for name, m in model.named_modules() if name.endswith(ROUTER_SUFFIX)}
+        self.aux_loss_enabled = aux_loss
+        self._counts: dict[str, torch.Tensor] = {}
+        self._aux_terms: list[torch.Tensor] = []
+        self.last_loads: torch.Tensor | None = None  # [routers, experts] of the last finished step
+        self._handles = [m.register_forward_hook(self._hook(name)) for name, m in self.routers.items()]
+
+    def __bool__(self) -> bool:
+        return bool(self.routers)
+
+    def _hook(self, name: str):
+        def hook(module: nn.Module, inputs, output):
+            if _recomputing():
+                return
+            idx = _topk_indices(output)
+            num_experts = module.e_score_correction_bias.numel()
+            counts = torch.zeros(num_experts, device=idx.device, dtype=torch.float32)
+            counts.index_add_(0, idx.flatten(), torch.ones(idx.numel(), device=idx.device))
+            self._counts[name] = self._counts.get(name, 0) + counts
+            if self.aux_loss_enabled and torch.is_grad_enabled():
+                x = inputs[0].reshape(-1, module.weight.shape[-1])
+                scores = F.linear(x.float(), module.weight.float()).sigmoid()
+                probs = scores / scores.sum(dim=-1, keepdim=True)
+                fraction = counts / idx.numel()
+                self._aux_terms.append(num_experts * (fraction * probs.mean(dim=0)).sum())
+
+        return hook
+
+    def pop_aux_loss(self) -> torch.Tensor | None:
+        """Mean over routers of the switch loss of the forwards since the last call."""
+        if not self._aux_terms:
+            return None
+        loss = torch.stack(self._aux_terms).mean()
+        self._aux_terms = []
+        return loss
+
+    @torch.no_grad()
+    def finish_step(self, rate: float, group=None) -> dict:
+        """All-reduce the step's counts over `group`, move the biases, return balance metrics.
+
+        Metrics: `load_cv` (coefficient of variation of the per-expert load, averaged over
+        routers; 0 is perfect balance) and `load_cv_max` (the worst router).
+        """
+        self._aux_terms = []
+        names = [n for n in self.routers if n in self._counts]
+        if not names:
+            return {}
+        loads = torch.stack([self._counts[n] for n in names])
+        self._counts = {}
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(loads, group=group)
+        self.last_loads = loads
+        mean = loads.mean(dim=1, keepdim=True)
+        if rate > 0:
+            for name, delta in zip(names, torch.sign(mean - loads)):
+                bias = self.routers[name].e_score_correction_bias
+                bias.add_(delta.to(bias.device, bias.dtype), alpha=rate)
+        cv = loads.std(dim=1, unbiased=False) / mean.squeeze(1).clamp(min=1e-9)
+        return {"load_cv": float(cv.mean()), "load_cv_max": float(cv.max())}
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()

@@ -1,0 +1,89 @@
+"""Run records: metrics as JSONL (always) and TensorBoard (when installed), and the facts about
+the run that the manifest needs (commit, versions, hardware)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+
+class MetricsLog:
+    """Appends one JSON object per record to `metrics.jsonl`; mirrors scalars to TensorBoard."""
+
+    def __init__(self, folder: str | Path, tensorboard: bool = True, resume_step: int | None = None):
+        self.path = Path(folder) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(resume_step)
+        self.writer = None
+        self.note = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                self.note = "TensorBoard logging off: pip install tensorboard to get it"
+            else:
+                self.writer = SummaryWriter(log_dir=str(Path(folder) / "tensorboard"))
+
+    def _truncate_after(self, step: int | None) -> None:
+        """On resume, drop records past the checkpoint (the steps that are about to be redone)."""
+        if not self.path.exists():
+            return
+        if step is None:
+            self.path.unlink()
+            return
+        keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in keep))
+
+    def log(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                    self.writer.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def git_commit(cwd: str | Path | None = None) -> str | None:
+    """HEAD of the checkout this code runs from, with "+dirty" when files changed; None outside git."""
+    cwd = cwd or Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def environment(world_size: int) -> dict:
+    """Versions and hardware, for the manifest."""
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for name in ("onenode", "transformers", "numpy"):
+        try:
+            versions[name] = metadata.version(name)  # without importing: transformers takes seconds
+        except metadata.PackageNotFoundError:
+            pass
+    hardware = {"platform": platform.platform(), "world_size": world_size}
+    if torch.cuda.is_available():
+        hardware["gpu"] = torch.cuda.get_device_name()
+        hardware["gpus_per_node"] = torch.cuda.device_count()
+    return {"versions": versions, "hardware": hardware}

@@ -1,0 +1,331 @@
+"""A2 training recipes: one YAML file says everything a run needs, and is checked before it runs.
+
+    name: tiny
+    seed: 0
+    model: {preset: tiny, hidden_size: 64}          # a preset plus NemotronHConfig overrides,
+                                                     # or no preset and any pattern with sizes
+    data: {source: synthetic}                        # or shards / config + path (+ mixture)
+    train: {token_budget: 65536, seq_len: 64, global_batch_size: 8, micro_batch_size: 4}
+    optimizer: {name: adamw, lr: 3.0e-3}
+    schedule: {name: wsd, warmup_fraction: 0.05, decay_fraction: 0.2, decay_shape: 1-sqrt}
+    moe: {bias_update_rate: 1.0e-3, aux_loss_coef: 0.0}
+    parallel: {dp: -1, ep: 1, pp: 1}
+    checkpoint: {every_steps: 50, keep_last: 2}
+    eval: {every_steps: 50, batches: 4}
+    log: {every_steps: 1}
+
+Every section is a dataclass below; a key that is unknown or of the wrong type fails with one
+line naming the key (`recipe tiny.yaml: optimizer.lrr: unknown key (known: ...)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ..model.config import NemotronHConfig, get_preset
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message is one line naming the bad key."""
+
+
+@dataclass
+class ModelSection:
+    preset: str | None = None
+    # Any NemotronHConfig field (`pattern` is short for hybrid_override_pattern); kept apart so
+    # the recipe can be validated against the config's own fields.
+    overrides: dict = field(default_factory=dict)
+
+
+@dataclass
+class DataSection:
+    # "synthetic": a seeded, structured token stream (smoke tests, no files); "shards": a data
+    # folder built by `onenode data build`; "config": a data config YAML, built on first use
+    # into $ONENODE_CACHE/datasets/ (see starter_code/onenode/data/configs/).
+    source: str = "synthetic"
+    path: str | None = None
+    mixture: dict = field(default_factory=dict)  # source name -> weight; empty: the data's own
+
+
+@dataclass
+class TrainSection:
+    token_budget: int = 0  # hard stop: training never sees more tokens than this
+    seq_len: int = 2048
+    global_batch_size: int = 8  # sequences per optimizer step, all data-parallel ranks together
+    micro_batch_size: int = 0  # sequences per forward on one rank; 0: global / dp (no accumulation)
+    precision: str = "bf16"  # bf16 (autocast, fp32 master weights) or fp32
+    grad_clip: float = 1.0
+    activation_checkpointing: bool = False
+    compile: bool = False
+    device: str = "auto"  # auto: cuda when available, else cpu
+
+
+@dataclass
+class MuonSection:
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    # match_rms_adamw scales each matrix's update to AdamW's RMS, so one lr serves both
+    # optimizers (Moonshot's "Muon is scalable"); "original" is Keller Jordan's scaling.
+    adjust_lr_fn: str = "match_rms_adamw"
+
+
+@dataclass
+class OptimizerSection:
+    name: str = "adamw"  # adamw | muon (Muon on 2-D hidden matrices, AdamW on the rest)
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    muon: MuonSection = field(default_factory=MuonSection)
+
+
+@dataclass
+class ScheduleSection:
+    name: str = "wsd"  # wsd | cosine | constant
+    warmup_fraction: float = 0.01  # of all steps
+    decay_fraction: float = 0.2  # WSD: the last fraction of steps decays
+    decay_shape: str = "1-sqrt"  # WSD: linear | cosine | 1-sqrt
+    min_lr_ratio: float = 0.0  # the final lr, as a fraction of the peak
+
+
+@dataclass
+class MoESection:
+    # Auxiliary-loss-free balancing: after each step, bias += rate * sign(mean_load - load).
+    bias_update_rate: float = 1e-3
+    aux_loss_coef: float = 0.0  # switch-style auxiliary loss, off by default
+
+
+@dataclass
+class ParallelSection:
+    dp: int = -1  # -1: whatever the world size leaves after ep and pp
+    ep: int = 1
+    pp: int = 1
+
+
+@dataclass
+class CheckpointSection:
+    enabled: bool = True  # false: no checkpoints at all (throughput measurements)
+    every_steps: int = 0  # 0: only the final checkpoint
+    keep_last: int = 2
+    export_hf: bool = True  # write the final model in the transformers layout
+
+
+@dataclass
+class EvalSection:
+    every_steps: int = 0  # 0: only at the end
+    batches: int = 8
+
+
+@dataclass
+class LogSection:
+    every_steps: int = 10
+    tensorboard: bool = True  # when the tensorboard package is installed
+    progress_bar: bool = True
+
+
+@dataclass
+class Recipe:
+    name: str = "run"
+    seed: int = 0
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    moe: MoESection = field(default_factory=MoESection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    log: LogSection = field(default_factory=LogSection)
+    source_path: str | None = field(default=None, compare=False)  # where it was read from
+
+    # -- derived -------------------------------------------------------------------------
+    def model_config(self) -> NemotronHConfig:
+        """The NemotronH config the recipe names: a preset with overrides, or a custom one."""
+        overrides = dict(self.model.overrides)
+        if "pattern" in overrides:
+            overrides["hybrid_override_pattern"] = overrides.pop("pattern")
+        try:
+            if self.model.preset:
+                return get_preset(self.model.preset, **overrides)
+            return NemotronHConfig(name=self.name, **overrides)
+        except (KeyError, ValueError, TypeError) as e:
+            raise RecipeError(f"{self._where()}model: {_one_line(e)}") from None
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch_size * self.train.seq_len
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps the budget allows: never more tokens than the budget."""
+        return self.train.token_budget // self.tokens_per_step
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source_path")
+        return d
+
+    def with_overrides(self, overrides: dict) -> "Recipe":
+        """A new recipe with dotted keys replaced (`{"optimizer.name": "muon"}`), validated."""
+        d = self.to_dict()
+        for dotted, value in overrides.items():
+            _set_dotted(d, dotted, value)
+        return from_dict(d, source=self.source_path)
+
+    def _where(self) -> str:
+        return f"recipe {Path(self.source_path).name}: " if self.source_path else "recipe: "
+
+    def validate(self) -> "Recipe":
+        t, o, s = self.train, self.optimizer, self.schedule
+        checks = [
+            ("train.token_budget", t.token_budget > 0, "must be a positive number of tokens"),
+            ("train.seq_len", t.seq_len > 0, "must be positive"),
+            ("train.global_batch_size", t.global_batch_size > 0, "must be positive"),
+            ("train.micro_batch_size", t.micro_batch_size >= 0, "must be >= 0 (0: no accumulation)"),
+            ("train.token_budget", t.token_budget >= self.tokens_per_step,
+             f"{t.token_budget} is less than one step (global_batch_size x seq_len = {self.tokens_per_step})"),
+            ("train.precision", t.precision in ("bf16", "fp32"), "is bf16 or fp32"),
+            ("data.source", self.data.source in ("synthetic", "shards", "config"), "is synthetic, shards or config"),
+            ("data.path", self.data.source == "synthetic" or bool(self.data.path),
+             f"is needed with data.source: {self.data.source}"),
+            ("optimizer.name", o.name in ("adamw", "muon"), "is adamw or muon"),
+            ("optimizer.lr", o.lr > 0, "must be positive"),
+            ("optimizer.betas", len(o.betas) == 2, "is a list of two numbers"),
+            ("optimizer.muon.adjust_lr_fn", o.muon.adjust_lr_fn in ("original", "match_rms_adamw"),
+             "is original or match_rms_adamw"),
+            ("schedule.name", s.name in ("wsd", "cosine", "constant"), "is wsd, cosine or constant"),
+            ("schedule.decay_shape", s.decay_shape in ("linear", "cosine", "1-sqrt"), "is linear, cosine or 1-sqrt"),
+            ("schedule.warmup_fraction", 0 <= s.warmup_fraction < 1, "is in [0, 1)"),
+            ("schedule.decay_fraction", 0 <= s.decay_fraction <= 1 - s.warmup_fraction,
+             "is in [0, 1 - warmup_fraction]"),
+            ("schedule.min_lr_ratio", 0 <= s.min_lr_ratio <= 1, "is in [0, 1]"),
+            ("moe.bias_update_rate", self.moe.bias_update_rate >= 0, "must be >= 0"),
+            ("moe.aux_loss_coef", self.moe.aux_loss_coef >= 0, "must be >= 0"),
+            ("parallel.ep", self.parallel.ep >= 1, "must be >= 1"),
+            ("parallel.pp", self.parallel.pp >= 1, "must be >= 1"),
+            ("checkpoint.keep_last", self.checkpoint.keep_last >= 1, "must be >= 1"),
+            ("checkpoint.every_steps", self.checkpoint.every_steps >= 0, "must be >= 0 (0: only at the end)"),
+            ("eval.every_steps", self.eval.every_steps >= 0, "must be >= 0 (0: only at the end)"),
+            ("eval.batches", self.eval.batches >= 1, "must be >= 1"),
+            ("log.every_steps", self.log.every_steps >= 1, "must be >= 1"),
+        ]
+        for key, ok, message in checks:
+            if not ok:
+                raise RecipeError(f"{self._where()}{key}: {message}")
+        self.model_config()  # the architecture itself must make sense
+        return self
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+def load_recipe(path: str | Path, overrides: dict | None = None) -> Recipe:
+    """Read, check and return a recipe; overrides are dotted keys (`train.token_budget`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {path}: no such file (the shipped ones are in a2_pretrain/recipes/)")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"recipe {path.name}: not valid YAML ({_one_line(e)})") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe {path.name}: the top level must be a mapping of sections")
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(raw, dotted, value)
+    return from_dict(raw, source=str(path))
+
+
+def from_dict(raw: dict, source: str | None = None) -> Recipe:
+    where = f"recipe {Path(source).name}: " if source else "recipe: "
+    raw = dict(raw)
+    model = raw.pop("model", None) or {}
+    if not isinstance(model, dict):
+        raise RecipeError(f"{where}model: must be a mapping (preset and/or NemotronHConfig fields)")
+    model = dict(model)
+    preset, nested = model.pop("preset", None), model.pop("overrides", {})
+    raw["model"] = {"preset": preset, "overrides": {**nested, **model}}
+    _check_model_keys(raw["model"]["overrides"], where)
+    recipe = _build(Recipe, raw, where, "")
+    recipe.source_path = source
+    return recipe.validate()
+
+
+def _check_model_keys(overrides: dict, where: str) -> None:
+    known = {f.name for f in dataclasses.fields(NemotronHConfig)} | {"pattern"}
+    for key in overrides:
+        if key not in known:
+            raise RecipeError(f"{where}model.{key}: not a NemotronHConfig field")
+
+
+def _build(cls, raw, where: str, prefix: str):
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where}{prefix.rstrip('.') or 'top level'}: must be a mapping")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls) if f.name != "source_path"}
+    values = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise RecipeError(f"{where}{prefix}{key}: unknown key (known: {', '.join(sorted(fields))})")
+        values[key] = _coerce(hints[key], value, where, prefix + key)
+    return cls(**values)
+
+
+def _coerce(hint, value, where: str, key: str):
+    """The value as the field's type; numbers may be written as strings such as "20e9"."""
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value or {}, where, key + ".")
+    args = set(typing.get_args(hint))
+    if value is None and type(None) in args:
+        return None
+    base = hint if not args else next(a for a in args if a is not type(None))
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+    elif base in (int, float):
+        if isinstance(value, str):
+            try:
+                value = float(value.replace("_", ""))
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if base is int:
+                if float(value).is_integer():
+                    return int(value)
+            else:
+                return float(value)
+    elif base is str:
+        if isinstance(value, str):
+            return value
+    elif base in (dict, list):
+        if isinstance(value, base):
+            return value
+    raise RecipeError(f"{where}{key}: expected {getattr(base, '__name__', base)}, got {value!r}")
+
+
+def _set_dotted(d: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        d = d.setdefault(part, {})
+        if not isinstance(d, dict):
+            raise RecipeError(f"recipe override {dotted}: {part} is not a section")
+    d[last] = value
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """`key=value` from the command line, the value read as YAML (numbers, lists, booleans)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"override {text!r}: write it as section.key=value")
+    return key.strip(), yaml.safe_load(value)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    return " ".join(text.split())

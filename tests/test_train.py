@@ -1,0 +1,208 @@
+"""The A2 trainer on CPU: token budget, falling loss, exact resume, Muon, MoE balancing,
+checkpoint errors, sweeps, and FSDP on two gloo processes matching one process."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from onenode.cli import main
+from onenode.model import build_model, get_preset
+from onenode.train.balance import RouterBalancer
+from onenode.train.checkpoint import CheckpointError
+from onenode.train.logging import read_metrics
+from onenode.train.optim import OptimizerList, is_muon_param
+from onenode.train.recipe import load_recipe
+from onenode.train.schedule import lr_factor
+from onenode.train.step import build_optimizer
+from onenode.train.trainer import Trainer, apply_activation_checkpointing
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "a2_pretrain" / "recipes" / "tiny.yaml"
+# 6 steps of 4 x 32 tokens in 2 micro-batches: a couple of seconds.
+SMALL = {"train.seq_len": 32, "train.global_batch_size": 4, "train.micro_batch_size": 2,
+         "train.token_budget": 768, "checkpoint.every_steps": 0, "eval.every_steps": 0,
+         "eval.batches": 1, "log.every_steps": 1, "log.progress_bar": False}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and the CI machine is shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _small(**overrides):
+    return load_recipe(TINY, {**SMALL, **overrides})
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The shipped tiny recipe through the CLI, as a student would run it."""
+    out = tmp_path_factory.mktemp("tiny")
+    torch.set_num_threads(1)
+    assert main(["train", str(TINY), "--out", str(out), "--set", "log.progress_bar=false"]) == 0
+    return out
+
+
+def test_tiny_stops_exactly_at_budget_and_loss_falls(tiny_run):
+    recipe = load_recipe(TINY)
+    manifest = json.loads((tiny_run / "run_manifest.json").read_text())
+    assert manifest["tokens_seen"] == recipe.train.token_budget == manifest["data_tokens_served"]
+    assert manifest["steps"] == recipe.total_steps
+    assert manifest["status"] == "finished" and len(manifest["data_digest"]) == 64
+    records = [r for r in read_metrics(tiny_run) if "loss" in r]
+    assert records[-1]["tokens"] == recipe.train.token_budget
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    assert manifest["final_losses"]["val"] < records[0]["loss"]
+    # the lr the trainer used follows the schedule (records are logged after their step)
+    for r in records:
+        assert r["lr"] == pytest.approx(recipe.optimizer.lr * lr_factor(recipe.schedule, r["step"] - 1, recipe.total_steps))
+    checkpoint_meta = json.loads((tiny_run / "checkpoints" / f"step_{recipe.total_steps:08d}" / "meta.json").read_text())
+    assert checkpoint_meta["tokens_seen"] == manifest["tokens_seen"]
+    assert checkpoint_meta["data_digest"] == manifest["data_digest"]
+    assert len(list((tiny_run / "checkpoints").glob("step_*"))) == recipe.checkpoint.keep_last
+
+
+def test_final_export_loads_back(tiny_run):
+    from onenode.model.hf_io import load_pretrained
+
+    model = load_pretrained(tiny_run / "final")
+    assert json.loads((tiny_run / "final" / "run_manifest.json").read_text())["status"] == "finished"
+    ids = torch.randint(0, model.config.vocab_size, (1, 16))
+    assert torch.isfinite(model(ids).logits).all()
+
+
+def test_budget_is_never_exceeded(tmp_path):
+    recipe = _small(**{"train.token_budget": 700})  # 5.47 steps of 128 tokens
+    manifest = Trainer(recipe, tmp_path, resume=None).fit()
+    assert manifest["steps"] == 5 and manifest["tokens_seen"] == 640 <= 700
+
+
+def test_stop_and_resume_matches_uninterrupted_run(tmp_path):
+    recipe = _small()
+    straight = Trainer(recipe, tmp_path / "a", resume=None)
+    straight.fit()
+    first = Trainer(recipe, tmp_path / "b", resume=None)
+    assert first.fit(stop_after_steps=3)["status"] == "stopped"
+    assert Trainer(recipe, tmp_path / "elsewhere", resume=str(tmp_path / "b")).step == 3  # a run folder
+    resumed = Trainer(recipe, tmp_path / "b", resume="auto")
+    assert resumed.step == 3
+    manifest = resumed.fit()
+    assert resumed.losses == straight.losses  # bitwise on CPU
+    assert manifest["data_digest"] == json.loads((tmp_path / "a" / "run_manifest.json").read_text())["data_digest"]
+    for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert [r["step"] for r in read_metrics(tmp_path / "b") if "loss" in r] == list(range(1, 7))
+
+
+def test_corrupt_or_incomplete_checkpoint_is_one_line(tmp_path):
+    recipe = _small(**{"train.token_budget": 256})
+    Trainer(recipe, tmp_path, resume=None).fit()
+    checkpoint = tmp_path / "checkpoints" / "step_00000002"
+    data_file = next(checkpoint.glob("*.distcp"))
+    data_file.write_bytes(data_file.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="is corrupt") as info:
+        Trainer(recipe, tmp_path, resume=str(checkpoint))
+    assert "\n" not in str(info.value)
+    (checkpoint / "meta.json").unlink()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        Trainer(recipe, tmp_path, resume=str(checkpoint))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Trainer(recipe, tmp_path, resume=str(tmp_path / "nowhere"))
+
+
+def test_muon_takes_hidden_matrices_only():
+    model = build_model(get_preset("tiny"))
+    optimizer = build_optimizer(model, "muon", lr=1e-3)
+    assert isinstance(optimizer, OptimizerList)
+    muon, adamw = optimizer.optimizers
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    on_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    assert all(model.get_parameter(n).ndim == 2 for n in on_muon)
+    assert any("experts.0.up_proj" in n for n in on_muon) and any("in_proj" in n for n in on_muon)
+    for n, p in model.named_parameters():
+        assert (n in on_muon) == is_muon_param(n, p)
+        if any(key in n for key in ("embeddings", "lm_head", "gate.weight", "norm", "conv1d")):
+            assert n not in on_muon
+
+
+def test_muon_with_aux_loss_trains(tmp_path):
+    recipe = _small(**{"optimizer.name": "muon", "moe.aux_loss_coef": 0.01, "train.token_budget": 1280,
+                       "optimizer.lr": 1.0e-2})
+    trainer = Trainer(recipe, tmp_path, resume=None)
+    trainer.fit()
+    assert sum(trainer.losses[-3:]) < sum(trainer.losses[:3]) - 0.1
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert all(r["aux_loss"] > 0 and r["load_cv"] >= 0 for r in records)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
+def test_router_loads_counted_once_and_bias_moves_toward_balance(checkpointing):
+    config = get_preset("tiny", hybrid_override_pattern="ME")
+    model = build_model(config)
+    if checkpointing:
+        apply_activation_checkpointing(model)
+    balancer = RouterBalancer(model)
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    model(ids).logits.sum().backward()
+    metrics = balancer.finish_step(rate=0.1)
+    loads = balancer.last_loads
+    assert loads.shape == (1, config.n_routed_experts)
+    assert loads.sum().item() == ids.numel() * config.num_experts_per_tok  # recompute not counted
+    bias = dict(balancer.routers)[next(iter(balancer.routers))].e_score_correction_bias
+    assert torch.equal(bias, 0.1 * torch.sign(loads.mean() - loads[0]))  # busy experts down, idle up
+    assert metrics["load_cv"] == pytest.approx(float(loads.std(unbiased=False) / loads.mean()))
+
+
+def test_sweep_writes_table_and_reuses_finished_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"""
+name: mini
+base: {TINY}
+axes:
+  optimizer: {{adamw: {{optimizer.name: adamw}}, muon: {{optimizer.name: muon}}}}
+""")
+    args = ["sweep", str(sweep), "--out", str(tmp_path / "out")]
+    for key, value in {**SMALL, "train.token_budget": 256, "checkpoint.export_hf": False}.items():
+        args += ["--set", f"{key}={json.dumps(value)}"]
+    assert main(args) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["run"] for r in results["runs"]] == ["adamw", "muon"]
+    assert results["runs"][0]["final_train_loss"] != results["runs"][1]["final_train_loss"]
+    assert (tmp_path / "out" / "loss_curves.png").stat().st_size > 0
+    assert "| run | optimizer |" in (tmp_path / "out" / "summary.md").read_text()
+    stamp = (tmp_path / "out" / "adamw" / "run_manifest.json").stat().st_mtime_ns
+    assert main(args) == 0  # finished points are reused, not retrained
+    assert (tmp_path / "out" / "adamw" / "run_manifest.json").stat().st_mtime_ns == stamp
+
+
+def _fsdp_run(out: str, optimizer: str, interrupt_at: int | None = None, micro: int = 2) -> tuple[list[float], dict]:
+    recipe = _small(**{"optimizer.name": optimizer, "train.micro_batch_size": micro})
+    if interrupt_at:
+        Trainer(recipe, out, resume=None).fit(stop_after_steps=interrupt_at)
+    trainer = Trainer(recipe, out, resume="auto" if interrupt_at else None)
+    manifest = trainer.fit()
+    return trainer.losses, manifest
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("optimizer, rel", [("adamw", 1e-5), ("muon", 1e-4)])
+def test_fsdp_two_processes_match_one(tmp_path, optimizer, rel):
+    """Two FSDP ranks (2 micro-batches of 1 each per step), interrupted and resumed from their
+    sharded checkpoint half way, train like one uninterrupted process (2 micro-batches of 2). Muon's Newton-Schulz runs in bfloat16, and on DTensors its matmuls
+    add up in another order: its runs agree to bf16 rounding rather than float32's."""
+    from dist_utils import run_distributed
+
+    single, _ = _fsdp_run(str(tmp_path / "one"), optimizer)
+    ranks = run_distributed(_fsdp_run, world_size=2, args=(str(tmp_path / "two"), optimizer, 3, 1))
+    (losses, manifest), (losses_1, _) = ranks
+    assert losses == losses_1
+    assert losses == pytest.approx(single, rel=rel)
+    assert manifest["tokens_seen"] == manifest["data_tokens_served"] == _small().train.token_budget
