@@ -78,14 +78,23 @@ def _local_sq_norm(groups: dict[object, list[torch.Tensor]]) -> torch.Tensor:
 def clip_grad_norm_(model: nn.Module, max_norm: float, *, cross_rank_group=None) -> float:
     """Clip all gradients to a global L2 norm and return the norm before clipping.
 
-    DTensor gradients (FSDP2, expert parallel) are reduced over their own meshes; parameters that
-    live on other ranks entirely (pipeline stages) are summed over `cross_rank_group`.
+    DTensor gradients (FSDP2) are reduced over their own meshes. Expert-parallel gradients
+    (`model.expert_grad_norm_group = (expert_mesh, ep_group)`, set by `parallelize`) differ across
+    the EP group, each rank holding other experts: their squares are summed over it. Parameters
+    that live on other ranks entirely (pipeline stages) are summed over `cross_rank_group`.
     """
-    groups = _grads_by_mesh([p.grad for p in model.parameters() if p.grad is not None])
-    sq = _local_sq_norm(groups)
-    if cross_rank_group is not None:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
+    groups = _grads_by_mesh([p.grad for p in model.parameters() if p.grad is not None])
+    expert = getattr(model, "expert_grad_norm_group", None)
+    expert_grads = groups.pop(expert[0], None) if expert is not None else None
+    sq = _local_sq_norm(groups)
+    if expert_grads is not None:
+        expert_sq = _local_sq_norm({expert[0]: expert_grads}).to(sq.device)
+        dist.all_reduce(expert_sq, group=expert[1])
+        sq = sq + expert_sq
+        groups[expert[0]] = expert_grads  # clipped with the rest below
+    if cross_rank_group is not None:
         dist.all_reduce(sq, group=cross_rank_group)
     total_norm = float(sq.sqrt())
     if max_norm and max_norm > 0 and total_norm > max_norm:

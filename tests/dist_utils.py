@@ -1,0 +1,70 @@
+"""Run a function on N gloo processes on CPU and collect what each rank returns.
+
+    from dist_utils import run_distributed
+    results = run_distributed(my_fn, world_size=2, args=(...))   # [rank0_result, rank1_result]
+
+`my_fn(*args)` runs after `torch.distributed` is initialised (gloo, one CPU thread per rank)
+and must be importable by a fresh interpreter (a module-level function: processes are
+spawned). Its return value travels back through `torch.save`, so tensors, dicts and lists work.
+A rank that raises fails the call with the traceback of the rank that failed first (the others
+usually fail after it, inside a collective); a hang fails it after `timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, fn, args: tuple, world_size: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size)
+    try:
+        result = fn(*args)
+        dist.barrier()
+    except BaseException:
+        (Path(folder) / f"rank{rank}.err").write_text(f"{time.time_ns()}\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, Path(folder) / f"rank{rank}.pt")
+
+
+def _first_failure(folder: Path) -> str | None:
+    failures = []
+    for path in folder.glob("rank*.err"):
+        stamp, _, text = path.read_text().partition("\n")
+        failures.append((int(stamp), path.stem, text))
+    if not failures:
+        return None
+    _, rank, text = min(failures)
+    return f"{rank} failed first:\n{text}"
+
+
+def run_distributed(fn, world_size: int, args: tuple = (), timeout: float = 300.0) -> list:
+    """Results of `fn(*args)` on ranks 0..world_size-1 of a fresh gloo process group."""
+    name = getattr(fn, "__name__", repr(fn))
+    with tempfile.TemporaryDirectory(prefix="onenode-dist-") as folder:
+        context = mp.start_processes(
+            _worker, args=(fn, args, world_size, folder), nprocs=world_size, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        if process.is_alive():
+                            process.kill()
+                    raise TimeoutError(f"{name} on {world_size} gloo ranks hung for {timeout:.0f} s")
+        except mp.ProcessRaisedException:
+            message = _first_failure(Path(folder))
+            if message is None:
+                raise
+            raise RuntimeError(f"{name} on {world_size} gloo ranks: {message}") from None
+        return [torch.load(Path(folder) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
