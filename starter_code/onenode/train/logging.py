@@ -4,6 +4,7 @@ the run that the manifest needs (commit, versions, hardware)."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -61,7 +62,11 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def git_commit(cwd: str | Path | None = None) -> str | None:
-    """HEAD of the checkout this code runs from, with "+dirty" when files changed; None outside git."""
+    """HEAD of the checkout this code runs from, with "+dirty" when files changed; None outside git.
+
+    `ONENODE_COMMIT` names it where the tree arrives without its .git (a copy on a GPU machine)."""
+    if os.environ.get("ONENODE_COMMIT"):
+        return os.environ["ONENODE_COMMIT"]
     cwd = cwd or Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
