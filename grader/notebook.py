@@ -1,0 +1,286 @@
+"""The report notebooks under nbgrader: the course folder, sandboxed autograding, the score hook.
+
+nbgrader runs a notebook's kernel in its own process tree, so autograding executes student code.
+Here that happens only inside `grader.sandbox`, in a throwaway copy of the course; the grader
+then imports the executed notebook into a course of its own with `nbgrader autograde
+--no-execute` (no code runs: the test cells are restored from the gradebook, the outputs are the
+sandbox's) and reads the scores and writes the feedback from there. So the sandbox never holds
+the gradebook the grader reads or the TA's course, and nothing a notebook does outside its own
+outputs reaches a score. (Its outputs themselves are as trustworthy as nbgrader makes them: a
+notebook that forges its test outputs is for the TA's review of the written cells to catch.)
+
+The course folder (`assignments/`: `nbgrader_config.py`, `source/<assignment>/report.ipynb`) is
+copied into a working folder per use; gradebook.db, release/, submitted/, autograded/ and
+feedback/ are created there.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .a1 import GraderError, test_entry
+from .rubric import KIT_ROOT
+from .sandbox import Limits, make_private, make_scratch, run_sandboxed
+
+ASSIGNMENTS = KIT_ROOT / "assignments"
+COURSE_ID = "onenode"  # c.CourseDirectory.course_id in assignments/nbgrader_config.py
+NOTEBOOK_ID = "report"  # every assignment has one notebook, report.ipynb
+MAX_NOTEBOOK_BYTES = 20 * 2**20
+SANDBOX_LIMITS = Limits(wall_s=600, cpu_s=600, memory_mb=8192, nproc=512, fsize_mb=256, output_kb=512)
+AUTOGRADED_NAME = "report_autograded.ipynb"  # beside results.json: what `export` imports
+FEEDBACK_NAME = "report_feedback.html"
+
+
+class NotebookError(GraderError):
+    """The course or nbgrader itself is broken (a grader problem, not a submission's): the job stops."""
+
+
+def require_nbgrader() -> None:
+    try:
+        import nbgrader  # noqa: F401
+    except ImportError:
+        raise NotebookError("nbgrader is not installed: pip install -e '.[course]' (or pip install nbgrader)") from None
+
+
+def student_id(name: str) -> str:
+    """A submission name as an nbgrader student id (letters, digits, `_`, `-`, `.`)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "student"
+
+
+# -- nbgrader in a course folder (trusted: no student code runs in these) ------------------------
+def _env(course: Path) -> dict[str, str]:
+    """The grader's environment with every Jupyter/IPython folder inside the course, not $HOME,
+    and this Python's scripts first on PATH (nbgrader runs `alembic` to set up its database)."""
+    jupyter = course / ".jupyter"
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    return {**os.environ, "PATH": path, "JUPYTER_CONFIG_DIR": str(jupyter / "config"), "JUPYTER_DATA_DIR": str(jupyter / "data"),
+            "JUPYTER_RUNTIME_DIR": str(jupyter / "runtime"), "IPYTHONDIR": str(jupyter / "ipython")}
+
+
+_EXCEPTION_LINE = re.compile(r"^\s*[\w.]*(Error|Exception): .+")
+
+
+def _last_error(log: str) -> str:
+    """The line of an nbgrader log that says what went wrong: the last exception, else the last
+    [ERROR] line, else the last line."""
+    lines = log.splitlines()
+    found = ([ln for ln in lines if _EXCEPTION_LINE.match(ln)] or [ln for ln in lines if "[ERROR]" in ln]
+             or lines[-1:] or ["no output"])
+    return found[-1].strip()[:300]
+
+
+def run_nbgrader(course: Path, *args: str, timeout: float = 600) -> str:
+    """`nbgrader ARGS` in `course`; its log on success, a one-line NotebookError otherwise."""
+    require_nbgrader()
+    proc = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=course, env=_env(course),
+                          capture_output=True, text=True, timeout=timeout)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise NotebookError(f"nbgrader {' '.join(args)} failed in {course}: {_last_error(log)}")
+    return log
+
+
+def assignment_source(assignment: str) -> Path:
+    source = ASSIGNMENTS / "source" / assignment
+    if not (source / f"{NOTEBOOK_ID}.ipynb").is_file():
+        known = sorted(p.name for p in (ASSIGNMENTS / "source").iterdir() if p.is_dir())
+        raise ValueError(f"no assignment {assignment!r} in {ASSIGNMENTS / 'source'}: choose one of {', '.join(known)}")
+    return source
+
+
+def make_course(course: Path, assignments: list[str]) -> Path:
+    """A course working folder: the kit's config and sources, each assignment generated
+    (`nbgrader generate_assignment`: gradebook entries and release/<assignment>/)."""
+    sources = [assignment_source(a) for a in assignments]
+    course.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(ASSIGNMENTS / "nbgrader_config.py", course / "nbgrader_config.py")
+    for assignment, source in zip(assignments, sources):
+        shutil.rmtree(course / "source" / assignment, ignore_errors=True)
+        shutil.copytree(source, course / "source" / assignment)
+        run_nbgrader(course, "generate_assignment", assignment, "--force")
+    return course
+
+
+def db_url(course: Path) -> str:
+    return f"sqlite:///{(course / 'gradebook.db').resolve()}"
+
+
+def autograded_cells(course: Path, assignment: str) -> dict[str, float]:
+    """grade_id -> points of the notebook's autograded (code) cells, from the gradebook."""
+    from nbgrader.api import Gradebook
+
+    with Gradebook(db_url(course), COURSE_ID) as gb:
+        notebook = gb.find_notebook(NOTEBOOK_ID, assignment)
+        return {cell.name: cell.max_score for cell in notebook.grade_cells if cell.cell_type == "code"}
+
+
+def written_points(course: Path, assignment: str) -> float:
+    from nbgrader.api import Gradebook
+
+    with Gradebook(db_url(course), COURSE_ID) as gb:
+        return gb.find_notebook(NOTEBOOK_ID, assignment).max_written_score
+
+
+def import_executed(course: Path, assignment: str, student: str, executed: Path) -> None:
+    """Record an already executed notebook in `course`'s gradebook without running it."""
+    submitted = course / "submitted" / student / assignment
+    submitted.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(executed, submitted / f"{NOTEBOOK_ID}.ipynb")
+    run_nbgrader(course, "autograde", assignment, "--student", student, "--force", "--no-execute")
+
+
+def feedback(course: Path, assignment: str, student: str) -> Path:
+    run_nbgrader(course, "generate_feedback", assignment, "--student", student, "--force")
+    return course / "feedback" / student / assignment / f"{NOTEBOOK_ID}.html"
+
+
+# -- executing a submitted notebook (untrusted: only in the sandbox) -----------------------------
+class NotebookRunError(RuntimeError):
+    """The submitted notebook could not be autograded (the submission's problem); one line."""
+
+
+def execute_sandboxed(template: Path, assignment: str, notebook: Path, log: Path) -> bytes:
+    """`nbgrader autograde` of `notebook` in the sandbox, in a throwaway copy of the course
+    `template`; returns the executed notebook. The run's output goes to `log`."""
+    if notebook.stat().st_size > MAX_NOTEBOOK_BYTES:
+        raise NotebookRunError(f"report.ipynb is over {MAX_NOTEBOOK_BYTES >> 20} MiB: clear large outputs and resubmit")
+    scratch = make_scratch()
+    try:
+        course = scratch / "course"
+        shutil.copytree(template, course, ignore=shutil.ignore_patterns(".jupyter", "autograded", "submitted", "feedback"))
+        submitted = course / "submitted" / "student" / assignment
+        submitted.mkdir(parents=True)
+        shutil.copy2(notebook, submitted / f"{NOTEBOOK_ID}.ipynb")
+        result = run_sandboxed([sys.executable, "-m", "nbgrader", "autograde", assignment, "--student", "student"],
+                               cwd=course, scratch=scratch, limits=SANDBOX_LIMITS)
+        log.write_bytes(result.stdout + result.stderr)
+        executed = course / "autograded" / "student" / assignment / f"{NOTEBOOK_ID}.ipynb"
+        if not result.ok or not executed.is_file():
+            why = result.reason if result.killed_reason else _last_error(result.stderr.decode(errors="replace"))
+            raise NotebookRunError(f"report.ipynb could not be autograded ({why}): open it with "
+                                   f"`jupyter lab` and check that it is a valid notebook that runs top to bottom")
+        if executed.stat().st_size > MAX_NOTEBOOK_BYTES:
+            raise NotebookRunError(f"the graded report.ipynb grew over {MAX_NOTEBOOK_BYTES >> 20} MiB of output")
+        return executed.read_bytes()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def without_hidden_tests(executed: bytes) -> bytes:
+    """The executed notebook as students may see it: hidden tests' source removed, and the
+    tracebacks of those cells cut to `Name: message` (IPython quotes the lines around the failing
+    one). Importing it still grades with the hidden tests: autograde restores test cells from
+    the gradebook, and a failure stays a failure."""
+    import nbformat
+    from nbgrader.preprocessors import ClearHiddenTests
+
+    try:
+        nb = nbformat.reads(executed.decode("utf-8"), as_version=4)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise NotebookRunError(f"the graded report.ipynb is not a readable notebook ({e}): resubmit a valid one") from None
+    for cell in nb.cells:
+        if cell.cell_type == "code" and ClearHiddenTests().begin_test_delimeter in cell.source:
+            for output in cell.outputs:
+                if output.output_type == "error":
+                    output.traceback = [f"{output.ename}: {output.evalue}"]
+    nb, _ = ClearHiddenTests().preprocess(nb, {})
+    return nbformat.writes(nb).encode("utf-8")
+
+
+# -- the score hook of grader/a1.py ------------------------------------------------------------
+@dataclass
+class _Graded:
+    tests: list[dict]
+    executed: bytes | None
+    feedback_html: bytes | None
+
+
+_TEMPLATES: dict[str, Path] = {}
+_GRADED: dict[tuple[str, str], _Graded] = {}  # (assignment, sha256 of the notebook) -> result
+
+
+def _template(assignment: str) -> Path:
+    """A grader-private course with `assignment` generated, made once per process."""
+    if assignment not in _TEMPLATES:
+        root = make_private(tempfile.mkdtemp(prefix="onenode-course-"))
+        atexit.register(shutil.rmtree, root, True)
+        _TEMPLATES[assignment] = make_course(root / "course", [assignment])
+    return _TEMPLATES[assignment]
+
+
+def _entry(name: str, score: float, max_score: float, output: str) -> dict:
+    return test_entry(f"Report notebook: {name}", score, max_score, output, "notebook")
+
+
+def _cell_errors(executed: dict) -> dict[str, str]:
+    """grade_id -> the error a graded cell raised, as `Name: message`."""
+    errors = {}
+    for cell in executed.get("cells", []):
+        grade_id = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "error" and grade_id:
+                errors[grade_id] = f"{output.get('ename', 'Error')}: {output.get('evalue', '')}".strip()[:300]
+    return errors
+
+
+def _grade(template: Path, assignment: str, notebook: Path, logs: Path) -> _Graded:
+    cells = autograded_cells(template, assignment)
+    written = written_points(template, assignment)
+    written_note = _entry("written answers", 0, 0, f"{written:g} points of written answers are graded by a TA in "
+                          "nbgrader's formgrader; `onenode-grade export` adds them to the gradebook CSV")
+    try:
+        executed = without_hidden_tests(execute_sandboxed(template, assignment, notebook, logs / "notebook.log"))
+    except NotebookRunError as e:
+        return _Graded([_entry(name, 0, points, str(e)) for name, points in cells.items()] + [written_note], None, None)
+    private = make_private(tempfile.mkdtemp(prefix="onenode-notebook-"))
+    try:
+        course = private / "course"
+        shutil.copytree(template, course, ignore=shutil.ignore_patterns(".jupyter"))
+        (private / AUTOGRADED_NAME).write_bytes(executed)
+        try:  # nbgrader worked on the template, so a failure here comes from the executed notebook
+            import_executed(course, assignment, "student", private / AUTOGRADED_NAME)
+        except NotebookError as e:
+            reason = f"the graded report.ipynb could not be recorded ({e}); if every submission shows this, see logs/"
+            return _Graded([_entry(name, 0, points, reason) for name, points in cells.items()] + [written_note], None, None)
+        from nbgrader.api import Gradebook
+
+        with Gradebook(db_url(course), COURSE_ID) as gb:
+            grades = {g.name: g for g in gb.find_submission_notebook(NOTEBOOK_ID, assignment, "student").grades}
+            scores = {name: float(grades[name].score) if name in grades else 0.0 for name in cells}
+        errors = _cell_errors(json.loads(executed))
+        tests = [_entry(name, scores[name], points, "passed" if scores[name] >= points else
+                        f"failed: {errors.get(name, 'see report_feedback.html')}") for name, points in cells.items()]
+        html = feedback(course, assignment, "student").read_bytes()
+        return _Graded(tests + [written_note], executed, html)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def grade(notebook: Path | None, logs: Path, assignment: str = "a1") -> list[dict]:
+    """Autograded points of a submission's report.ipynb as results.json test entries (tag
+    `notebook`); the executed notebook and nbgrader's feedback HTML go beside `logs/` (the
+    submission's output folder) as report_autograded.ipynb and report_feedback.html.
+    Identical notebooks are graded once per process (the demo cohort shares one)."""
+    template = _template(assignment)
+    if notebook is None:
+        return [_entry(name, 0, points, "report.ipynb is missing from the submission: add it and resubmit")
+                for name, points in autograded_cells(template, assignment).items()]
+    key = (assignment, hashlib.sha256(notebook.read_bytes()).hexdigest())
+    if key not in _GRADED:
+        _GRADED[key] = _grade(template, assignment, notebook, logs)
+    graded = _GRADED[key]
+    out = logs.parent
+    if graded.executed is not None:
+        (out / AUTOGRADED_NAME).write_bytes(graded.executed)
+        (out / FEEDBACK_NAME).write_bytes(graded.feedback_html)
+    return [dict(t) for t in graded.tests]

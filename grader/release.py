@@ -1,0 +1,193 @@
+"""`onenode-grade release a1|a2 --out DIR --course COURSE`: the repository students get.
+
+The student repository (DIR), the same layout as the kit so `git diff` there gives the paths the
+grader applies (`a/starter_code/onenode/...`):
+
+    README.md            install, `onenode bench`, the public tests, the report, how to submit
+    pyproject.toml       the kit's, without the grader: package and CLI `onenode` only
+    starter_code/onenode the stack (A2: with the reference A1 patch applied, DESIGN.md)
+    tests/conftest.py    what the public tests import from the kit's tests/ (cache folders,
+    tests/dist_utils.py  the gloo process runner), nothing else of it
+    a1_infra/ | a2_pretrain/   the handout (README.md once written), rubric, recipes, public tests
+    report.ipynb         nbgrader's release version: no solutions, no hidden tests
+
+COURSE is the TAs' nbgrader working folder (gradebook.db, source/, release/), never part of DIR.
+Before DIR appears, the bundle is checked: no solution or hidden-test region, and for A1 no line
+of the reference patch (every added line over 30 characters not already in the starter).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .notebook import NOTEBOOK_ID, make_course
+from .rubric import KIT_ROOT, tomllib
+from .submission import load_submission, patched_tree, pristine_tree
+
+SOLUTIONS_A1 = KIT_ROOT / "solutions" / "a1"
+TEST_SUPPORT = ("tests/conftest.py", "tests/dist_utils.py")
+FORBIDDEN_MARKERS = ("BEGIN HIDDEN TESTS", "END HIDDEN TESTS", "BEGIN SOLUTION", "END SOLUTION")
+MIN_LEAK_CHARS = 30
+_SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".pytest_cache")
+
+
+class ReleaseError(ValueError):
+    """The release cannot be built or would leak; one line saying what to fix."""
+
+
+@dataclass(frozen=True)
+class Handout:
+    title: str
+    folder: str  # the handout folder of the kit
+    parts: tuple[str, ...]  # what of it students get (missing ones are skipped)
+    with_reference_a1: bool  # the starter with solutions/a1/submission.patch applied
+
+
+HANDOUTS = {
+    "a1": Handout("A1: make the NemotronH training stack fast", "a1_infra", ("README.md", "rubric.toml", "tests"), False),
+    "a2": Handout("A2: pretrain your own model", "a2_pretrain", ("README.md", "rubric.toml", "recipes", "tests"), True),
+}
+
+
+def student_pyproject(text: str, testpaths: list[str]) -> str:
+    """The kit's pyproject.toml without the grader package and CLI, testing only `testpaths`."""
+    edits = [
+        (r'^onenode-grade = .*\n', ""),
+        (r'^where = .*$', 'where = ["starter_code"]'),
+        (r'^include = .*$', 'include = ["onenode", "onenode.*"]'),
+        (r'^testpaths = .*$', "testpaths = [" + ", ".join(f'"{p}"' for p in testpaths) + "]"),
+    ]
+    for pattern, replacement in edits:
+        text, n = re.subn(pattern, replacement, text, count=1, flags=re.M)
+        if n != 1:
+            raise ReleaseError(f"the kit's pyproject.toml has no line matching {pattern!r}: update grader/release.py")
+    project = tomllib.loads(text)
+    if "grader" in str(project["tool"]["setuptools"]) or "onenode-grade" in project["project"].get("scripts", {}):
+        raise ReleaseError("the student pyproject.toml still names the grader: update grader/release.py")
+    return text
+
+
+def student_readme(assignment: str, handout: Handout, has_handout: bool, has_tests: bool) -> str:
+    folder = handout.folder
+    lines = [f"# OneNode {handout.title}", "",
+             f"The handout is [`{folder}/README.md`]({folder}/README.md)." if has_handout else
+             f"The handout is on the course page; this repository holds the code, the report and `{folder}/`.",
+             "", "## Set up", "", "```bash",
+             "python -m venv .venv",
+             ".venv/bin/pip install torch          # your CUDA build on a GPU node; the CPU wheel elsewhere",
+             '.venv/bin/pip install -e ".[hf,data,course,dev]"',
+             "git init -q && git add -A && git commit -qm handout   # so `git diff` shows your changes",
+             "```", "", "## Run", "", "```bash",
+             ".venv/bin/onenode bench --preset tiny                  # seconds on a CPU",
+             ".venv/bin/onenode bench --preset a1-1gpu --seq-len 4096 --out before.json --profile prof/   # one GPU"]
+    if has_tests:
+        lines.append(".venv/bin/python -m pytest -q                         # the public tests (the starter fails them)")
+    if assignment == "a2":
+        lines.append(f".venv/bin/onenode train {folder}/recipes/tiny.yaml --out runs/tiny   # a recipe end to end on CPU")
+    lines += [".venv/bin/jupyter lab report.ipynb                     # the report: set PROFILE in its first cell",
+              "```", "", "## Submit", ""]
+    if assignment == "a1":
+        lines += ["```bash", "git diff -- starter_code/onenode > submission.patch", "```", "",
+                  "Hand in `submission.patch` and `report.ipynb` (a folder or one archive)."]
+    else:
+        lines += ["Hand in the final checkpoint (transformers layout), your recipe, the run manifest and logs, "
+                  "and `report.ipynb`."]
+    return "\n".join(lines) + "\n"
+
+
+def _copy(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if src.is_dir():
+        shutil.copytree(src, dest, ignore=_SKIP)
+    else:
+        shutil.copy2(src, dest)
+
+
+def text_files(root: Path):
+    """(path, text) of every file under `root` that decodes as UTF-8."""
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        try:
+            yield path, path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+
+
+def reference_lines(patch: str, starter: Path) -> set[str]:
+    """Lines the reference patch adds (stripped, over MIN_LEAK_CHARS) found nowhere in the starter."""
+    starter_text = "\n".join(text for _, text in text_files(starter))
+    added = {line[1:].strip() for line in patch.splitlines() if line.startswith("+") and not line.startswith("+++")}
+    return {line for line in added if len(line) > MIN_LEAK_CHARS and line not in starter_text}
+
+
+def leaks(bundle: Path, secret_lines: set[str]) -> list[str]:
+    """`file: what` for every nbgrader marker or secret line found anywhere in a bundle file
+    (inside a longer line or a notebook's JSON string too)."""
+    found = []
+    for path, text in text_files(bundle):
+        where = path.relative_to(bundle)
+        found += [f"{where}: {marker!r}" for marker in FORBIDDEN_MARKERS if marker in text]
+        found += [f"{where}: reference line {line[:60]!r}" for line in sorted(secret_lines) if line in text]
+    return found
+
+
+def build(assignment: str, stage: Path, course: Path) -> None:
+    """The student repository of `assignment` in the empty folder `stage`."""
+    handout = HANDOUTS[assignment]
+    work = Path(tempfile.mkdtemp(prefix="release-", dir=stage.parent))
+    try:
+        if handout.with_reference_a1:
+            patched_tree(load_submission(SOLUTIONS_A1, work), work / "tree")
+        else:
+            pristine_tree(work / "tree")
+        shutil.move(str(work / "tree" / "starter_code"), str(stage / "starter_code"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for rel in TEST_SUPPORT:
+        _copy(KIT_ROOT / rel, stage / rel)
+    for part in handout.parts:
+        if (KIT_ROOT / handout.folder / part).exists():
+            _copy(KIT_ROOT / handout.folder / part, stage / handout.folder / part)
+    has_tests = (stage / handout.folder / "tests").is_dir()
+    testpaths = [f"{handout.folder}/tests"] if has_tests else []
+    (stage / "pyproject.toml").write_text(student_pyproject((KIT_ROOT / "pyproject.toml").read_text(), testpaths))
+    (stage / "README.md").write_text(student_readme(assignment, handout, (stage / handout.folder / "README.md").is_file(),
+                                                    has_tests))
+    shutil.copy2(KIT_ROOT / ".gitignore", stage / ".gitignore")
+    make_course(course, [assignment])
+    for path in (course / "release" / assignment).iterdir():
+        _copy(path, stage / path.name)
+    if not (stage / f"{NOTEBOOK_ID}.ipynb").is_file():
+        raise ReleaseError(f"nbgrader released no {NOTEBOOK_ID}.ipynb for {assignment}: check assignments/source/{assignment}/")
+
+
+def release(assignment: str, out: Path, course: Path, force: bool = False) -> Path:
+    """Build the student repository of `assignment` at `out` (atomically) and the nbgrader course
+    at `course`; refuse to publish a bundle that leaks."""
+    if assignment not in HANDOUTS:
+        raise ReleaseError(f"unknown assignment {assignment!r}: choose one of {', '.join(HANDOUTS)}")
+    out, course = out.resolve(), course.resolve()
+    if course == out or out in course.parents or course in out.parents:
+        raise ReleaseError(f"--course {course} and --out {out} must not contain each other: the course holds the solutions")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ReleaseError(f"{out} is not empty: pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        build(assignment, stage, course)
+        secret = set()
+        if not HANDOUTS[assignment].with_reference_a1:
+            secret = reference_lines((SOLUTIONS_A1 / "submission.patch").read_text(encoding="utf-8"), stage / "starter_code")
+        found = leaks(stage, secret)
+        if found:
+            raise ReleaseError(f"the {assignment} release would leak ({len(found)} hits, first: {found[0]}): fix the source")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return out

@@ -1,0 +1,173 @@
+"""The student release and the notebook's grading cycle.
+
+Fast: the leak check catches what it must, the student pyproject has no grader, bad arguments
+fail before anything is built. Slow (nbgrader runs): the A1 release bundle leaks nothing and
+installs; one full cycle on CPU (release, two students, sandboxed autograde, feedback, export,
+a manual grade, export again); the A2 release carries the fixed stack.
+"""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grader import notebook
+from grader import a1 as grader_a1
+from grader.export import export
+from grader.release import ReleaseError, leaks, release, student_pyproject
+from grader.report import results_json
+from grader.rubric import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS = ROOT / "solutions"
+PATCH = SOLUTIONS / "a1" / "submission.patch"
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def _added_reference_lines(starter: Path) -> set[str]:
+    """The spec, written out again here: every line the reference patch adds that is longer
+    than 30 characters and appears nowhere in the starter."""
+    starter = "\n".join(p.read_text(errors="replace") for p in _files(starter))
+    added = {ln[1:].strip() for ln in PATCH.read_text().splitlines() if ln.startswith("+") and not ln.startswith("+++")}
+    return {ln for ln in added if len(ln) > 30 and ln not in starter}
+
+
+# -- fast --------------------------------------------------------------------------------------
+def test_leak_check_finds_markers_and_reference_lines(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.py").write_text('ok = 1\nsource = ["    return torch._grouped_mm(x, w, offs=offsets)\\n"]\n')
+    (tmp_path / "b.ipynb").write_text('{"source": "### BEGIN HIDDEN TESTS\\n"}')
+    (tmp_path / "c.txt").write_text("nothing to see\n")
+    found = leaks(tmp_path, {"return torch._grouped_mm(x, w, offs=offsets)"})
+    assert any(f.startswith("a/x.py: reference line") for f in found)
+    assert any(f.startswith("b.ipynb: 'BEGIN HIDDEN TESTS'") for f in found)
+    assert not any(f.startswith("c.txt") for f in found)
+
+
+def test_student_pyproject_has_no_grader():
+    text = student_pyproject((ROOT / "pyproject.toml").read_text(), ["a1_infra/tests"])
+    project = tomllib.loads(text)
+    assert "onenode-grade" not in project["project"]["scripts"] and "onenode" in project["project"]["scripts"]
+    assert project["tool"]["setuptools"]["packages"]["find"] == {"where": ["starter_code"], "include": ["onenode", "onenode.*"]}
+    assert project["tool"]["pytest"]["ini_options"]["testpaths"] == ["a1_infra/tests"]
+    with pytest.raises(ReleaseError, match="update grader/release.py"):
+        student_pyproject("[project]\nname = 'x'\n", [])
+
+
+def test_release_refuses_bad_places(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(ReleaseError, match="--force"):
+        release("a1", tmp_path / "out", tmp_path / "course")
+    with pytest.raises(ReleaseError, match="must not contain each other"):
+        release("a1", tmp_path / "new", tmp_path / "new" / "course")
+    with pytest.raises(ReleaseError, match="choose one of a1, a2"):
+        release("a3", tmp_path / "new", tmp_path / "course")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine" and not (tmp_path / "course").exists()
+
+
+# -- slow: nbgrader runs -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def a1_release(tmp_path_factory):
+    pytest.importorskip("nbgrader", reason="the course extra: pip install -e '.[course]'")
+    root = tmp_path_factory.mktemp("a1-release")
+    release("a1", root / "student", root / "course")
+    return root
+
+
+@pytest.mark.slow
+def test_a1_release_leaks_nothing(a1_release):
+    bundle = a1_release / "student"
+    files = _files(bundle)
+    assert {"README.md", "pyproject.toml", "report.ipynb", "starter_code", "a1_infra", "tests"} <= {
+        p.relative_to(bundle).parts[0] for p in files}
+    solution_bytes = {p.read_bytes() for p in _files(SOLUTIONS)}
+    assert not [p for p in files if p.read_bytes() in solution_bytes], "a file of solutions/ is in the release"
+    assert not [p for p in files if b"BEGIN HIDDEN TESTS" in p.read_bytes()]
+    assert not [p for p in files if "grader" in p.relative_to(bundle).parts]
+    secret = _added_reference_lines(bundle / "starter_code")
+    assert len(secret) > 20, "the reference patch adds lines: the check must have something to look for"
+    texts = {p: p.read_text(errors="replace") for p in files}
+    hits = [(p.name, ln) for p, text in texts.items() for ln in secret if ln in text]
+    assert hits == []
+
+
+@pytest.mark.slow
+def test_a1_release_installs_and_collects_its_public_tests(a1_release):
+    bundle = a1_release / "student"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--dry-run",
+                          "-e", str(bundle)], capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0 and "Would install onenode" in pip.stdout, pip.stdout + pip.stderr
+    collect = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+                             cwd=bundle, capture_output=True, text=True, timeout=300,
+                             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(bundle / "starter_code"),
+                                  "HOME": str(a1_release)})
+    assert collect.returncode == 0, collect.stdout + collect.stderr
+    assert "a1_infra/tests/test_part1_moe.py" in collect.stdout
+
+
+@pytest.mark.slow
+def test_full_notebook_cycle(a1_release, tmp_path):
+    """Two students (the reference answers, the release notebook untouched) through sandboxed
+    autograding, feedback and export; then a TA grades one written answer and exports again."""
+    course, results = a1_release / "course", tmp_path / "results"
+    broken = tmp_path / "broken.ipynb"
+    broken.write_text('{"cells": [')
+    submissions = {"ref_student": SOLUTIONS / "a1" / "report.ipynb", "empty_student": a1_release / "student" / "report.ipynb",
+                   "broken_student": broken}
+    auto_max = sum(notebook.autograded_cells(course, "a1").values())
+    for name, path in submissions.items():
+        logs = results / name / "logs"
+        logs.mkdir(parents=True)
+        tests = notebook.grade(path, logs) + [grader_a1.test_entry("Part 1: fused MoE experts: correctness", 4, 4, "ok", "moe")]
+        results_json_ = results_json(name, tests, [], 1.0, "", {"profile": "cpu-tiny", "seed": 0})
+        (results / name / "results.json").write_text(json.dumps(results_json_))
+        if name == "broken_student":
+            assert sum(t["score"] for t in tests if "notebook" in t["tags"]) == 0
+            assert "could not be autograded" in tests[0]["output"] and tests[0]["max_score"] > 0
+            assert not (results / name / notebook.FEEDBACK_NAME).exists()
+            continue
+        feedback = (results / name / notebook.FEEDBACK_NAME).read_text()
+        assert "BEGIN HIDDEN TESTS" not in feedback and "_expected" not in feedback
+        assert "_expected" not in (results / name / notebook.AUTOGRADED_NAME).read_text()
+        auto = sum(t["score"] for t in tests if "notebook" in t["tags"])
+        assert auto == (auto_max if name == "ref_student" else 0), [(t["name"], t["output"]) for t in tests]
+
+    sheet = tmp_path / "grades.csv"
+    rows = {r["student"]: r for r in export(course, results, sheet)}
+    with sheet.open() as f:
+        assert sorted(r["student"] for r in csv.DictReader(f)) == sorted(submissions)
+    ref, empty, broken_row = rows["ref_student"], rows["empty_student"], rows["broken_student"]
+    written = notebook.written_points(course, "a1")
+    assert (ref["notebook_score"], ref["notebook_max"]) == (auto_max, auto_max + written)
+    assert (empty["notebook_score"], ref["parts_score"], ref["total"]) == (0, 4, 4 + auto_max)
+    assert (broken_row["notebook_score"], broken_row["notebook_max"]) == (0, auto_max + written)
+    assert ref["needs_manual_grade"] is True
+
+    from nbgrader.api import Gradebook
+
+    with Gradebook(notebook.db_url(course), notebook.COURSE_ID) as gb:
+        grade = gb.find_grade("slow_path_moe", "report", "a1", "ref_student")
+        grade.manual_score = 2
+        gb.db.commit()
+    rows = {r["student"]: r for r in export(course, results, sheet)}
+    assert rows["ref_student"]["notebook_score"] == auto_max + 2, "the manual grade must survive a second export"
+    with sheet.open() as f:
+        assert {r["student"]: float(r["total"]) for r in csv.DictReader(f)} == {
+            "ref_student": 4 + auto_max + 2, "empty_student": 4, "broken_student": 4}
+
+
+@pytest.mark.slow
+def test_a2_release_is_the_fixed_stack(tmp_path):
+    pytest.importorskip("nbgrader", reason="the course extra: pip install -e '.[course]'")
+    bundle = release("a2", tmp_path / "student", tmp_path / "course")
+    moe = (bundle / "starter_code" / "onenode" / "model" / "moe.py").read_text()
+    assert "grouped_mm" in moe, "the A2 starter must carry the reference A1 fix"
+    assert (bundle / "report.ipynb").is_file() and (bundle / "a2_pretrain" / "recipes" / "baseline.yaml").is_file()
+    assert not [p for p in _files(bundle) if b"BEGIN HIDDEN TESTS" in p.read_bytes() or b"BEGIN SOLUTION" in p.read_bytes()]
