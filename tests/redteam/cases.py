@@ -30,7 +30,6 @@ class Case:
     reason: str  # regex over the reason (rejected) or the part's feedback (zero)
     part: str | None = None
     runs: bool = False
-    open_hole: str | None = None  # what the grader must still do to pass this case (strict xfail)
 
 
 # --------------------------------------------------------------------------- patch text
@@ -213,11 +212,11 @@ MoE.forward = _replay_first_output
 
 MOE_FILE = f"{STARTER}/model/moe.py"
 
-def _running(name: str, patches: dict[str, str], reason: str, open_hole: str | None = None) -> Case:
+def _running(name: str, patches: dict[str, str], reason: str) -> Case:
     def build(kit: Path, dest: Path) -> Path:
         return folder(dest, name, "".join(append_to(kit, path, code) for path, code in patches.items()))
 
-    return Case(name, build, "zero", reason, part="moe", runs=True, open_hole=open_hole)
+    return Case(name, build, "zero", reason, part="moe", runs=True)
 
 
 # --------------------------------------------------------------------------- the suite
@@ -265,6 +264,5 @@ CASES: list[Case] = [
     _running("timer-monkeypatch", {f"{STARTER}/__init__.py": TIMER_CHEAT, MOE_FILE: SLOW_MOE}, r"not faster"),
     _running("cached-moe-output", {MOE_FILE: CACHED_MOE}, r"^wrong"),
     _running("reads-reference-solution", {f"{STARTER}/__init__.py": READ_SOLUTION, MOE_FILE: SLOW_MOE},
-             r"not faster", open_hole="the kit's solutions/ is world-readable (0755): the grader must "
-             "make_private() it (and the results folder) before any submission runs"),
+             r"not faster"),
 ]

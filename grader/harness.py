@@ -1,0 +1,398 @@
+"""The grader's harness: runs INSIDE the sandboxed child and drives the patched `onenode`.
+
+Self-contained on purpose (copied next to the scratch tree and run as a script): it imports
+nothing from `grader`, and the student's `onenode` comes from the scratch copy on PYTHONPATH,
+which `_check_onenode` verifies. Everything it says is untrusted: the parent only compares the
+numbers it returns with the unpatched starter's, run through this same harness.
+
+Protocol, one JSON object per line. The parent first sends the child's setup (`world`,
+`threads`, `device`, `tree`); the harness spawns `world` ranks (it never imports torch itself).
+Then sessions, one after another: `{"session": spec}` is answered `{"ready": info}` or
+`{"error": ...}`; for each workload the parent starts its clock, sends `{"seed": s}`, and stops
+the clock on the answer `{"digest": ...}`: the inputs exist only from that moment. Closing
+stdin ends the child. After an error the parent discards the child.
+
+Sessions: "moe" runs one MoE layer forward+backward on `tokens` random tokens (rank 0 only);
+"train" runs optimizer steps of the whole model on 1 rank or on all (gloo or NCCL).
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import json
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import sys
+import threading
+import traceback
+import uuid
+from pathlib import Path
+
+# Collectives whose bytes are counted: name -> (family, name of the tensor argument that moved).
+COLLECTIVES = {
+    "all_gather": ("all_gather", "tensor_list"), "all_gather_single": ("all_gather", "output_tensor"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"), "_all_gather_base": ("all_gather", "output_tensor"),
+    "all_gather_coalesced": ("all_gather", "output_tensor_lists"),
+    "reduce_scatter": ("reduce_scatter", "input_list"), "reduce_scatter_single": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"), "_reduce_scatter_base": ("reduce_scatter", "input"),
+    "all_to_all": ("all_to_all", "input_tensor_list"), "all_to_all_single": ("all_to_all", "input"),
+    "all_reduce": ("all_reduce", "tensor"), "broadcast": ("broadcast", "tensor"),
+}
+
+
+class CollectiveCounter:
+    """Bytes each rank receives per collective family, counted by wrapping `torch.distributed`.
+
+    A rank of an n-rank group receives (n-1)/n of an all-gather's output, of a reduce-scatter's
+    or all-to-all's input; twice that for an all-reduce (ring). So a group of one moves nothing.
+    Installed before `onenode` is imported, so module-level `from torch.distributed import ...`
+    in the submission gets the wrappers too. Nested calls (one public collective implemented by
+    another) count once. The harness's own bookkeeping runs inside `paused()`.
+    """
+
+    def __init__(self):
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        self.bytes: dict[str, int] = {}
+        self._local = threading.local()
+        for name, (family, arg_name) in COLLECTIVES.items():
+            original = getattr(c10d, name, None)
+            if original is None or arg_name not in inspect.signature(original).parameters:
+                continue
+            wrapper = self._wrap(original, family, arg_name)
+            for module in (dist, c10d):
+                if getattr(module, name, None) is original:
+                    setattr(module, name, wrapper)
+
+    def _wrap(self, fn, family: str, arg_name: str):
+        import torch.distributed as dist
+
+        signature = inspect.signature(fn)
+        factor = 2 if family == "all_reduce" else 1
+
+        def counted(*args, **kwargs):
+            depth = getattr(self._local, "depth", 0)
+            if depth == 0 and not getattr(self._local, "paused", False):
+                bound = signature.bind_partial(*args, **kwargs).arguments
+                n = dist.get_world_size(bound.get("group"))
+                moved = factor * _nbytes(bound.get(arg_name)) * (n - 1) // n
+                self.bytes[family] = self.bytes.get(family, 0) + moved
+            self._local.depth = depth + 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._local.depth = depth
+
+        counted.__wrapped__ = fn
+        return counted
+
+    def take(self) -> dict[str, int]:
+        out, self.bytes = self.bytes, {}
+        return out
+
+    def paused(self):
+        counter = self
+
+        class _Paused:
+            def __enter__(self):
+                counter._local.paused = True
+
+            def __exit__(self, *exc):
+                counter._local.paused = False
+
+        return _Paused()
+
+
+def _nbytes(obj) -> int:
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    return obj.numel() * obj.element_size() if hasattr(obj, "element_size") else 0
+
+
+def _check_onenode(tree: str) -> str:
+    """Fail unless every imported `onenode` module comes from the scratch copy."""
+    import onenode
+
+    root = Path(tree).resolve()
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if (name == "onenode" or name.startswith("onenode.")) and path and root not in Path(path).resolve().parents:
+            raise RuntimeError(f"{name} was imported from {path}, not from the scratch copy {root}")
+    return onenode.__file__
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def _config(spec: dict, overrides: dict):
+    from onenode.model import get_preset
+
+    return get_preset(spec["preset"], **overrides)
+
+
+def _build(spec: dict, config, device, rank: int = 0):
+    """The model with the reference weights: the starter saves them (rank 0), a submission
+    loads them through `adapt_state_dict`, so stacked experts get exactly the starter's values."""
+    import torch
+    from onenode.model import build_model
+
+    model = build_model(config, seed=spec["init_seed"], device=device, dtype=_dtype(spec["dtype"]))
+    if spec.get("weights_in"):
+        from onenode.model.hf_io import adapt_state_dict
+
+        state = torch.load(spec["weights_in"], map_location="cpu", mmap=True, weights_only=True)
+        model.load_state_dict(adapt_state_dict(state, model))
+    if spec.get("weights_out") and rank == 0:
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, spec["weights_out"])
+    return model
+
+
+def _sketch(t, *directions) -> list[float]:
+    """Projections of `t` on random directions, and its norm: equal up to rounding iff t is."""
+    flat = t.detach().double().flatten()
+    return [float(flat @ d.double().flatten()) for d in directions] + [float(flat.norm())]
+
+
+def _grad_norms(grads: list) -> list[float]:
+    """Count, L1 norm and squared L2 norm of all values: independent of layout (a stacked
+    [E, I, H] weight and E separate [I, H] weights hold the same values), and cheap."""
+    import torch
+
+    l1 = torch.stack(torch._foreach_norm(grads, 1)).double().sum()
+    l2 = torch.stack(torch._foreach_norm(grads, 2)).double().square().sum()
+    return [float(sum(g.numel() for g in grads)), float(l1), float(l2)]
+
+
+class MoeSession:
+    """Part 1: one MoE layer (the only layer of a pattern-"E" model) forward and backward."""
+
+    def __init__(self, spec: dict):
+        import torch
+
+        self.spec = spec
+        self.device = torch.device(spec["device"])
+        config = _config(spec, {**spec["moe"].get("overrides", {}), "hybrid_override_pattern": "E"})
+        self.model = _build(spec, config, self.device)
+        self.layer = self.model.backbone.layers[0].mixer
+        self.shape = (1, spec["moe"]["tokens"], config.hidden_size)
+
+    def info(self) -> dict:
+        return {"parameters": sum(p.numel() for p in self.layer.parameters())}
+
+    def step(self, seed: int) -> list[dict]:
+        """`iters` forward+backward passes on inputs drawn from `seed` (several per workload, so
+        the round trip through the pipes is a small part of what the grader times)."""
+        import torch
+
+        gen = torch.Generator(self.device).manual_seed(seed)
+        dtype = _dtype(self.spec["dtype"])
+        digests = []
+        for _ in range(self.spec["moe"].get("iters", 1)):
+            x, grad_out, probe = (torch.randn(self.shape, generator=gen, device=self.device, dtype=dtype) for _ in range(3))
+            x.requires_grad_(True)
+            y = self.layer(x)
+            y.backward(grad_out)
+            params = [p for p in self.layer.parameters() if p.grad is not None]
+            digests.append({
+                "out": _sketch(y, grad_out, probe),
+                "dx": _sketch(x.grad, grad_out, probe),
+                "dparams": _grad_norms([p.grad for p in params]),
+            })
+            for p in params:
+                p.grad = None
+        return digests
+
+
+class TrainSession:
+    """Parts 2 and 3: optimizer steps of the whole model in one parallel layout."""
+
+    def __init__(self, spec: dict, rank: int, counter: CollectiveCounter):
+        import torch
+
+        self.spec, self.rank, self.counter = spec, rank, counter
+        layout = dict(spec["layout"])
+        self.world = layout.pop("world")
+        self.dp, self.pp = layout["dp"], layout["pp"]
+        if spec["device"] == "cuda":
+            torch.cuda.set_device(rank)
+            self.device = torch.device("cuda", rank)
+        else:
+            self.device = torch.device("cpu")
+        self.config = _config(spec, spec["overrides"])
+        model = _build(spec, self.config, self.device, rank)
+        if self.world > 1:
+            from onenode.parallel import ParallelDims, parallelize
+
+            model = parallelize(model, ParallelDims(**layout))
+        from onenode.train.step import build_optimizer
+
+        self.model = model
+        self.optimizer = build_optimizer(model)
+
+    def info(self) -> dict:
+        """Bytes of parameters this rank holds (shards, not the full tensors)."""
+        from torch.distributed.tensor import DTensor
+
+        held = 0
+        params = self.model.parameters() if hasattr(self.model, "parameters") else []
+        for p in params:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            held += local.numel() * local.element_size()
+        return {"param_bytes": held}
+
+    def step(self, seed: int) -> dict:
+        """One optimizer step on this rank's share of a batch made from `seed` on every rank."""
+        import torch
+        from onenode.train.step import train_step
+
+        gen = torch.Generator("cpu").manual_seed(seed)
+        tokens = torch.randint(0, self.config.vocab_size, (self.spec["batch"], self.spec["seq_len"] + 1), generator=gen)
+        # Ranks are laid out (pp, dp), dp fastest: each pipeline stage sees the whole dp shard.
+        dp_rank = self.rank % self.dp
+        rows = self.spec["batch"] // self.dp
+        shard = tokens[dp_rank * rows:(dp_rank + 1) * rows].to(self.device)
+        self.counter.take()
+        out = train_step(self.model, self.optimizer, shard[:, :-1].contiguous(), shard[:, 1:].contiguous(), grad_clip=1.0)
+        moved = self.counter.take()
+        loss = out["loss"]
+        if self.world > 1:  # the mean over the ranks that computed a loss (last pipeline stage)
+            import torch.distributed as dist
+
+            both = torch.tensor([loss or 0.0, 0.0 if loss is None else 1.0], dtype=torch.float64, device=self.device)
+            with self.counter.paused():
+                dist.all_reduce(both)
+            loss = float(both[0] / both[1]) if both[1] > 0 else None
+        return {"loss": loss, "grad_norm": out.get("grad_norm"), "bytes": moved}
+
+
+# -- processes ---------------------------------------------------------------------------------
+def _error(e: BaseException) -> dict:
+    traceback.print_exc(file=sys.stderr)
+    first = (str(e).strip().splitlines() or [""])[0]
+    return {"error": f"{type(e).__name__}: {first}"[:500]}
+
+
+def _rank_main(config: dict, rank: int, store: str, conn) -> None:
+    """One rank: builds the sessions it is sent and answers each seed."""
+    counter = CollectiveCounter()
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(config["threads"])
+    world = config["world"]
+    if world > 1:
+        backend = "nccl" if config["device"] == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    session = None
+    while (msg := conn.recv()) is not None:
+        try:
+            if "session" in msg:
+                session = None
+                gc.collect()
+                spec = msg["session"]
+                _check_onenode(config["tree"])
+                session = MoeSession(spec) if spec["kind"] == "moe" else TrainSession(spec, rank, counter)
+                _check_onenode(config["tree"])  # nothing swapped in while building
+                conn.send({"ready": session.info()})
+            else:
+                conn.send({"digest": session.step(int(msg["seed"]))})
+        except BaseException as e:
+            session = None
+            conn.send(_error(e))
+    conn.close()
+
+
+def _merge(replies: list[dict]) -> dict:
+    """Rank 0's answer, with the largest per-rank byte counts (every rank should agree)."""
+    first = dict(replies[0])
+    key = "ready" if "ready" in first else "digest"
+    merged = dict(first[key])
+    if "param_bytes" in merged:
+        merged["param_bytes"] = max(r[key]["param_bytes"] for r in replies)
+    if "bytes" in merged:
+        families = {f for r in replies for f in r[key]["bytes"]}
+        merged["bytes"] = {f: max(r[key]["bytes"].get(f, 0) for r in replies) for f in families}
+    return {key: merged}
+
+
+class Ranks:
+    """`world` spawned ranks; a session runs on the first `n` of them (1 or all)."""
+
+    def __init__(self, config: dict):
+        ctx = mp.get_context("spawn")
+        store = str(Path.cwd() / f"rendezvous-{uuid.uuid4().hex}")
+        self.conns, self.procs = [], []
+        for rank in range(config["world"]):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(config, rank, store, theirs), daemon=True)
+            proc.start()
+            theirs.close()
+            self.conns.append(ours)
+            self.procs.append(proc)
+
+    def ask(self, msg: dict, n: int) -> dict:
+        """Send `msg` to ranks [0, n) and merge their answers. The first error (or death)
+        answers at once: the other ranks are then usually stuck in a collective."""
+        if n not in (1, len(self.conns)):
+            return {"error": f"a session on {n} ranks in a child of {len(self.conns)}: use 1 or all"}
+        for conn in self.conns[:n]:
+            conn.send(msg)
+        replies: dict[int, dict] = {}
+        pending = dict(enumerate(self.conns[:n]))
+        while pending:
+            for conn in mp.connection.wait(list(pending.values())):
+                rank = next(r for r, c in pending.items() if c is conn)
+                try:
+                    reply = conn.recv()
+                except EOFError:
+                    self.procs[rank].join(5)
+                    reply = {"error": f"died (exit code {self.procs[rank].exitcode})"}
+                if "error" in reply:
+                    return {"error": f"rank {rank}: {reply['error']}" if len(self.conns) > 1 else reply["error"]}
+                replies[rank] = reply
+                del pending[rank]
+        return replies[0] if n == 1 else _merge([replies[r] for r in range(n)])
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def main() -> None:
+    # The protocol keeps the real stdout; whatever the submission prints goes to stderr (the log).
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def recv():
+        line = sys.stdin.readline()
+        return json.loads(line) if line.strip() else None
+
+    ranks = Ranks(recv())
+    try:
+        n = 1
+        while (msg := recv()) is not None:
+            if "session" in msg:
+                n = msg["session"].get("layout", {}).get("world", 1)
+            proto.write(json.dumps(ranks.ask(msg, n)) + "\n")
+    finally:
+        ranks.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""The parent side of the harness: sessions in a sandboxed child, timed from the grader.
+
+The clock is the grader's: it starts before the workload (a seed) is written to the child and
+stops when the answer (a digest) is read back, so a child cannot report its own times, and it
+cannot precompute anything, because the inputs come from a seed it has not seen yet.
+
+One child (with all its ranks) serves the sessions of a submission one after another, so torch
+is imported once per submission, not once per part. A session that fails costs its child: the
+next session starts a fresh one, so a crash, hang or OOM in one part never touches another.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .rubric import Profile
+from .sandbox import Limits, SandboxError, SandboxedProcess, make_scratch, spawn_sandboxed
+
+HARNESS = Path(__file__).with_name("harness.py")
+LOG_TAIL_LINES = 30
+DIED = "the child stopped answering"
+
+
+@dataclass
+class Session:
+    """One thing to run: a name (its log and feedback title), a harness spec, the seeds."""
+
+    name: str
+    spec: dict
+    seeds: list[int]
+
+
+@dataclass
+class SessionResult:
+    """What one session gave back. `error` is one line for the feedback, or None."""
+
+    info: dict | None = None
+    digests: list[dict] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # per workload, measured by the grader
+    setup_s: float = 0.0  # from the session spec to "ready"
+    error: str | None = None
+    log_tail: str = ""  # the end of the child's log, when this session failed
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def limits_for(profile: Profile, world: int, sessions: int) -> Limits:
+    """One child's limits. RLIMIT_AS is meaningless under CUDA (it maps far more than it uses)."""
+    return Limits(
+        wall_s=profile.timeout_s * sessions + 60,
+        cpu_s=profile.timeout_s * sessions * max(1, profile.threads),
+        memory_mb=None if profile.device == "cuda" else profile.memory_mb,
+        nproc=512 + 256 * world,  # threads count: torch, gloo and NCCL start many per rank
+    )
+
+
+class Child:
+    """A sandboxed harness with `world` ranks, in its own scratch copy of `tree`."""
+
+    def __init__(self, name: str, tree: Path, profile: Profile, world: int, sessions: int, files_in: dict[str, Path]):
+        self.name, self.profile = name, profile
+        self.scratch = make_scratch()
+        try:
+            shutil.copytree(tree / "starter_code", self.scratch / "starter_code")
+            shutil.copy2(HARNESS, self.scratch / "harness.py")
+            for name, src in files_in.items():
+                shutil.copy2(src, self.scratch / name)
+            env = {"OMP_NUM_THREADS": str(profile.threads), "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",
+                   "PYTHONHASHSEED": "0"}
+            self.proc: SandboxedProcess = spawn_sandboxed([sys.executable, "-u", "harness.py"], cwd=self.scratch,
+                                                          env=env, limits=limits_for(profile, world, sessions))
+        except BaseException:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            raise
+        self._write({"world": world, "threads": profile.threads, "device": profile.device,
+                     "tree": str((self.scratch / "starter_code").resolve())})
+
+    def _write(self, message: dict) -> None:
+        self.proc.stdin.write((json.dumps(message) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def ask(self, message: dict, deadline: float) -> tuple[dict, float]:
+        """Send one message, wait for one answer; the seconds in between by the grader's clock."""
+        start = time.perf_counter()
+        try:
+            self._write(message)
+            line = self.proc.readline(timeout=max(deadline - time.monotonic(), 0.1))
+        except (BrokenPipeError, ConnectionResetError):
+            return {"error": None}, 0.0
+        except TimeoutError:
+            self.proc.kill("wall time")
+            return {"error": f"no answer within the profile's {self.profile.timeout_s:g} s"}, 0.0
+        seconds = time.perf_counter() - start
+        if not line.strip():
+            return {"error": None}, seconds  # the child died: its exit says why
+        try:
+            reply = json.loads(line)
+        except json.JSONDecodeError:
+            return {"error": f"the harness answered garbage: {line[:200]!r}"}, seconds
+        return (reply if isinstance(reply, dict) else {"error": "the harness answered garbage"}), seconds
+
+    def open(self, session: Session, deadline: float) -> SessionResult:
+        result = SessionResult()
+        reply, result.setup_s = self.ask({"session": session.spec}, deadline)
+        if "ready" in reply:
+            result.info = reply["ready"]
+        else:
+            result.error = reply.get("error") or DIED
+        return result
+
+    def step(self, result: SessionResult, seed: int, deadline: float) -> None:
+        reply, seconds = self.ask({"seed": seed}, deadline)
+        if "digest" in reply:
+            result.digests.append(reply["digest"])
+            result.seconds.append(seconds)
+        else:
+            result.error = reply.get("error") or DIED
+
+    def run(self, session: Session, baseline: "tuple[Child, Session] | None" = None
+            ) -> tuple[SessionResult, SessionResult | None]:
+        """Run a session; with a `baseline` (the starter's child and session) the two take
+        turns step by step (ABBA), so both are timed on the same machine at the same time."""
+        deadline = time.monotonic() + self.profile.timeout_s
+        pairs = [(self, session, self.open(session, deadline))]
+        if baseline is not None:
+            pairs.append((*baseline, baseline[0].open(baseline[1], deadline)))
+        for i, seed in enumerate(session.seeds):
+            for child, _, result in pairs if i % 2 == 0 else pairs[::-1]:
+                if result.ok:
+                    child.step(result, seed, deadline)
+            if not pairs[0][2].ok:
+                break
+        return pairs[0][2], (pairs[1][2] if baseline is not None else None)
+
+    def close(self, logs: Path) -> tuple[str, str]:
+        """End the child (politely, then not), save its log as `<name>.log`; (log, one-line
+        reason it ended)."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        ended = self.proc.wait(timeout=60)
+        log = ended.stderr.decode("utf-8", errors="replace")
+        (logs / f"{self.name}.log").write_text(log, encoding="utf-8")
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        return log, ended.reason
+
+
+def run_sessions(tree: Path, profile: Profile, world: int, sessions: list[Session], logs: Path,
+                 files_in: dict[str, Path] | None = None, files_out: dict[str, Path] | None = None,
+                 baselines: dict[str, tuple[Path, Session]] | None = None) -> dict[str, SessionResult]:
+    """Run `sessions` in order on children of `world` ranks; a failed session ends its child.
+
+    `files_in` are copied into each child's scratch under their keys before it starts (weights);
+    `files_out` are copied back from the last child's scratch at the end, if it wrote them.
+    `baselines` maps a session name to (the starter's tree, its session): that session is timed
+    in turns with the starter's, run by a one-rank child of its own; its result is returned
+    under "<name>-starter".
+    """
+    logs.mkdir(parents=True, exist_ok=True)
+    results: dict[str, SessionResult] = {}
+    child, children = None, 0
+    try:
+        for i, session in enumerate(sessions):
+            if child is None:
+                children += 1
+                child = Child(f"child-{children}", tree, profile, world, len(sessions) - i, files_in or {})
+            baseline = None
+            if session.name in (baselines or {}):
+                base_tree, base_session = baselines[session.name]
+                needed = {k: v for k, v in (files_in or {}).items() if k == base_session.spec.get("weights_in")}
+                baseline = (Child(f"starter-{session.name}", base_tree, profile, 1, 1, needed), base_session)
+            result, base_result = child.run(session, baseline)
+            results[session.name] = result
+            if baseline is not None:
+                log, reason = baseline[0].close(logs)
+                results[f"{session.name}-starter"] = _with_reason(base_result, log, reason)
+            if not result.ok:
+                log, reason = child.close(logs)
+                child = None
+                _with_reason(result, log, reason)
+        if child is not None:
+            for name, dst in (files_out or {}).items():
+                if (child.scratch / name).is_file():
+                    shutil.copy2(child.scratch / name, dst)
+    except SandboxError as e:
+        for s in sessions:
+            results.setdefault(s.name, SessionResult(error=f"sandbox: {e}"))
+    finally:
+        if child is not None:
+            child.close(logs)
+    return results
+
+
+def _with_reason(result: SessionResult, log: str, reason: str) -> SessionResult:
+    """A failed session's error says how its child ended, and keeps the end of its log."""
+    if not result.ok:
+        if result.error == DIED and reason:
+            result.error = reason
+        result.log_tail = "\n".join(log.strip().splitlines()[-LOG_TAIL_LINES:])
+    return result

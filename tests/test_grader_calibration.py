@@ -1,0 +1,85 @@
+"""Calibration: the example cohort earns exactly what the rubric promises on cpu-tiny.
+
+The unchanged starter earns nothing, each single-part patch earns its part and only its part,
+the full reference earns every point, a fast but wrong MoE earns nothing for Part 1, and a
+second grading job (another seed) gives the same scores.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+
+from grader import a1
+from grader.a1 import new_job
+from grader.cohort import grade_cohort, grade_one, part_scores
+from grader.demo import MANIFEST, SOLUTIONS, build_cohort
+from grader.rubric import load_rubric, tomllib
+from grader.submission import load_submission, patched_tree
+
+PARTS = ("moe", "ep", "pp")
+
+
+def _missing_solutions() -> list[str]:
+    with open(MANIFEST, "rb") as f:
+        patches = [p for ps in tomllib.load(f)["submissions"].values() for p in ps if not p.startswith("./")]
+    return sorted({p for p in patches if not (SOLUTIONS / p).is_file()})
+
+
+needs_solutions = pytest.mark.skipif(bool(_missing_solutions()), reason=f"solutions/a1 lacks {_missing_solutions()}")
+
+
+@needs_solutions
+def test_every_example_submission_applies(tmp_path):
+    for folder in build_cohort(tmp_path / "cohort"):
+        submission = load_submission(folder, tmp_path / f"work-{folder.name}")
+        tree = patched_tree(submission, tmp_path / f"work-{folder.name}" / "tree")
+        assert (tree / "starter_code" / "onenode" / "model" / "moe.py").is_file()
+        assert bool(submission.changed_files) == (folder.name != "starter-unchanged")
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """The example cohort graded once (code parts only: the notebook has its own tests)."""
+    out = tmp_path_factory.mktemp("calibration")
+    rubric = load_rubric()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(a1, "STEPS", [a1.grade_moe, a1.grade_ep, a1.grade_pp])
+        job = new_job(rubric, "cpu-tiny", out / "work", out / "starter-logs", seed=1234)
+        build_cohort(out / "cohort")
+        results = grade_cohort(out / "cohort", job, out / "results", progress=False)
+    full = {key: part.correctness + part.performance for key, part in rubric.parts.items()}
+    return {r["extra_data"]["submission"]: r for r in results}, full, out
+
+
+def _scores(results: dict) -> dict[str, float]:
+    scores = part_scores(results)
+    return {part: scores.get(part, 0) for part in PARTS}
+
+
+@needs_solutions
+@pytest.mark.slow
+@pytest.mark.dist
+def test_calibration(graded):
+    results, full, _ = graded
+    zero = dict.fromkeys(PARTS, 0)
+    assert _scores(results["starter-unchanged"]) == zero
+    for name, part in (("part1-moe", "moe"), ("part2-ep", "ep"), ("part3-pp", "pp")):
+        assert _scores(results[name]) == {**zero, part: full[part]}, (name, results[name]["tests"])
+    assert _scores(results["reference-full"]) == full
+    wrong = results["wrong-fast-moe"]
+    assert _scores(wrong)["moe"] == 0
+    assert wrong["tests"][0]["output"].startswith("wrong:")
+    assert "zeroed" in wrong["tests"][1]["output"]
+
+
+@needs_solutions
+@pytest.mark.slow
+@pytest.mark.dist
+def test_grading_twice_gives_the_same_score(graded, monkeypatch):
+    results, _, out = graded
+    monkeypatch.setattr(a1, "STEPS", [a1.grade_moe, a1.grade_ep, a1.grade_pp])
+    job = new_job(load_rubric(), "cpu-tiny", out / "work2", out / "starter-logs2", seed=4321)
+    again = grade_one(out / "cohort" / "part1-moe", job, out / "again")
+    assert again["extra_data"]["seed"] != results["part1-moe"]["extra_data"]["seed"]
+    assert _scores(again) == _scores(results["part1-moe"])

@@ -1,0 +1,134 @@
+"""Cohort grading: atomic results, resume after a kill, the table and the CSV."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grader.cohort import _publish, find_submissions, is_done, table, write_cohort_csv
+from grader.report import results_json
+from grader.rubric import RUBRIC_PATH
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fake_results(name: str, score: float, seed: int = 1) -> dict:
+    tests = [{"name": "Part 1: x: correctness", "score": score, "max_score": 4, "status": "passed",
+              "output": "", "visibility": "visible", "tags": ["moe"]}]
+    return results_json(name, tests, [], 1.0, "", {"profile": "cpu-tiny", "seed": seed,
+                                                   "numbers": {"moe_speedup": 2.5}})
+
+
+def test_publish_replaces_a_result_atomically(tmp_path):
+    for score in (1, 3):
+        staging = tmp_path / f".partial-a-{score}"
+        staging.mkdir()
+        (staging / "results.json").write_text(json.dumps(fake_results("a", score)))
+        _publish(staging, tmp_path / "a")
+    assert json.loads((tmp_path / "a" / "results.json").read_text())["score"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+    assert is_done(tmp_path, "a") and not is_done(tmp_path, "b")
+
+
+def test_grader_errors_are_not_done(tmp_path):
+    results = fake_results("a", 0)
+    results["extra_data"]["grader_error"] = True
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "results.json").write_text(json.dumps(results))
+    assert not is_done(tmp_path, "a")
+
+
+def test_find_submissions_and_name_clashes(tmp_path):
+    (tmp_path / "g1").mkdir()
+    (tmp_path / "g2.zip").write_bytes(b"")
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / "notes.txt").write_text("")
+    assert [p.name for p in find_submissions(tmp_path)] == ["g1", "g2.zip"]
+    (tmp_path / "g1.tar.gz").write_bytes(b"")
+    with pytest.raises(ValueError, match="share the name 'g1'"):
+        find_submissions(tmp_path)
+
+
+def test_csv_and_table(tmp_path):
+    rows = [fake_results("a", 4), fake_results("b", 0)]
+    write_cohort_csv(tmp_path / "cohort.csv", rows)
+    with open(tmp_path / "cohort.csv") as f:
+        read = list(csv.DictReader(f))
+    assert [r["name"] for r in read] == ["a", "b"] and read[0]["moe_score"] == "4"
+    text = table(rows)
+    assert text.splitlines()[1].startswith("a ") and "4/4" in text and "0/4" in text
+
+
+QUICK_PROFILE = """
+[profiles.quick]
+description = "tests: cpu-tiny's Part 1 only, few repeats"
+device = "cpu"
+dtype = "float32"
+threads = 1
+preset = "tiny"
+overrides = {}
+batch = 2
+seq_len = 16
+warmup = 1
+repeats = 1
+rtol = 1e-4
+timeout_s = 240
+memory_mb = 4096
+moe = { tokens = 64, warmup = 1, repeats = 2, overrides = { n_routed_experts = 8, n_group = 1, topk_group = 1 } }
+speedup_tiers = [[1.5, 0.5], [2.5, 1.0]]
+max_expert_allgather = 0.05
+layouts.reference = { world = 1, dp = 1, ep = 1, pp = 1 }
+"""
+
+
+def _quick_rubric(tmp_path: Path) -> Path:
+    """The real parts with a cheap profile: a real grading job in seconds."""
+    path = tmp_path / "quick.toml"
+    path.write_text(RUBRIC_PATH.read_text().split("[profiles.")[0] + QUICK_PROFILE)
+    return path
+
+
+@pytest.mark.slow
+def test_cohort_killed_midway_resumes_with_every_result_once(tmp_path):
+    cohort = tmp_path / "cohort"
+    for name in ("a-starter", "b-starter", "c-starter"):
+        (cohort / name).mkdir(parents=True)
+        (cohort / name / "submission.patch").write_text("")
+    (cohort / "d-nopatch").mkdir()
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "grader.cli", "a1", "--cohort", str(cohort), "--out", str(out),
+           "--profile", "quick", "--rubric", str(_quick_rubric(tmp_path)), "--quiet"]
+    first = subprocess.Popen(cmd + ["--seed", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while not (out / "a-starter" / "results.json").exists():
+        assert first.poll() is None, first.stdout.read().decode()
+        assert time.monotonic() < deadline, "the first submission never finished"
+        time.sleep(0.2)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    assert not (out / "cohort.csv").exists()
+
+    second = subprocess.run(cmd + ["--seed", "2"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert not list(out.glob(".partial-*"))  # nothing half-written left
+    graded = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    assert graded == ["a-starter", "b-starter", "c-starter", "cohort.csv", "d-nopatch"]
+    seeds = {name: json.loads((out / name / "results.json").read_text())["extra_data"]["seed"]
+             for name in graded if name != "cohort.csv"}
+    assert seeds["a-starter"] == 1  # done before the kill: kept, not graded again
+    assert seeds["c-starter"] == 2
+    with open(out / "cohort.csv") as f:
+        names = [row["name"] for row in csv.DictReader(f)]
+    assert sorted(names) == ["a-starter", "b-starter", "c-starter", "d-nopatch"]
+    nopatch = json.loads((out / "d-nopatch" / "results.json").read_text())
+    assert nopatch["score"] == 0 and "no submission.patch" in nopatch["output"]
+    starter = json.loads((out / "c-starter" / "results.json").read_text())
+    assert starter["score"] == 0 and "not faster" in starter["tests"][0]["output"]

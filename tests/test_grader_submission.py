@@ -1,0 +1,141 @@
+"""Submission intake: every bad submission gets one clear line, a good one applies cleanly."""
+
+from __future__ import annotations
+
+import difflib
+import io
+import json
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from grader.cli import main
+from grader.submission import SubmissionError, check_patch, load_submission, patched_tree
+
+ROOT = Path(__file__).resolve().parents[1]
+MOE = "starter_code/onenode/model/moe.py"
+
+
+def make_patch(path: str, old: str, new: str) -> str:
+    """A `git diff`-style patch changing `path` from `old` to `new`."""
+    body = difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}", f"b/{path}")
+    return f"diff --git a/{path} b/{path}\n" + "".join(body)
+
+
+def good_patch() -> str:
+    old = (ROOT / MOE).read_text()
+    return make_patch(MOE, old, old.replace("import torch\n", "import torch  # patched\n", 1))
+
+
+def submission_folder(tmp_path: Path, patch: str | bytes | None, name: str = "group1") -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    if patch is not None:
+        data = patch.encode() if isinstance(patch, str) else patch
+        (folder / "submission.patch").write_bytes(data)
+    (folder / "report.ipynb").write_text(json.dumps({"cells": [], "nbformat": 4, "nbformat_minor": 5, "metadata": {}}))
+    return folder
+
+
+def test_good_patch_applies_in_a_scratch_copy(tmp_path):
+    sub = load_submission(submission_folder(tmp_path, good_patch()), tmp_path / "work")
+    assert sub.changed_files == [MOE] and sub.notebook is not None
+    tree = patched_tree(sub, tmp_path / "work" / "tree")
+    assert "# patched" in (tree / MOE).read_text()
+    assert "# patched" not in (ROOT / MOE).read_text()  # the kit itself is untouched
+
+
+def test_empty_patch_is_the_unchanged_starter(tmp_path):
+    sub = load_submission(submission_folder(tmp_path, ""), tmp_path / "work")
+    tree = patched_tree(sub, tmp_path / "work" / "tree")
+    assert sub.changed_files == [] and (tree / MOE).read_text() == (ROOT / MOE).read_text()
+
+
+@pytest.mark.parametrize("patch, words", [
+    (None, "no submission.patch"),
+    (b"diff --git a/x b/x\n\xff\xfe broken", "not UTF-8"),
+    ("just some text\n", "holds no diff"),
+    (make_patch("tests/test_x.py", "a\n", "b\n"), "only .py files under starter_code/onenode/"),
+    (make_patch("starter_code/onenode/data/notes.txt", "a\n", "b\n"), "only .py files"),
+    (make_patch("starter_code/onenode/../../evil.py", "a\n", "b\n"), "'..'"),
+    ("diff --git a/starter_code/onenode/x.py b/starter_code/onenode/x.py\nnew file mode 120000\n"
+     "--- /dev/null\n+++ b/starter_code/onenode/x.py\n@@ -0,0 +1 @@\n+/etc/passwd\n", "120000"),
+    ("diff --git a/starter_code/onenode/cli.py b/starter_code/onenode/cli.py\nsimilarity index 100%\n"
+     "rename from starter_code/onenode/cli.py\nrename to grader/cli.py\n", "only .py files"),
+    ("diff --git a/starter_code/onenode/a.py b/starter_code/onenode/a.py\nGIT binary patch\nliteral 3\n", "binary"),
+])
+def test_bad_patches_get_one_line_reasons(tmp_path, patch, words):
+    with pytest.raises(SubmissionError) as info:
+        load_submission(submission_folder(tmp_path, patch), tmp_path / "work")
+    message = str(info.value)
+    assert words in message and "\n" not in message
+
+
+def test_patch_that_does_not_apply(tmp_path):
+    old = (ROOT / MOE).read_text()
+    patch = make_patch(MOE, "not the starter's text\n" + old, "changed\n" + old)
+    sub = load_submission(submission_folder(tmp_path, patch), tmp_path / "work")
+    with pytest.raises(SubmissionError, match="does not apply to this kit's starter_code"):
+        patched_tree(sub, tmp_path / "work" / "tree")
+
+
+def test_removed_line_looking_like_a_header_is_body():
+    old = "x = 1\n-- not a header\n"
+    patch = make_patch("starter_code/onenode/model/moe.py", old, "x = 1\n")
+    assert "\n--- not a header" in patch
+    assert check_patch(patch) == ["starter_code/onenode/model/moe.py"]
+
+
+def test_archives(tmp_path):
+    zipped = tmp_path / "group2.zip"
+    with zipfile.ZipFile(zipped, "w") as zf:
+        zf.writestr("group2/submission.patch", good_patch())
+        zf.writestr("group2/report.ipynb", "{}")
+    assert load_submission(zipped, tmp_path / "w1").changed_files == [MOE]
+
+    empty = tmp_path / "empty.zip"
+    zipfile.ZipFile(empty, "w").close()
+    with pytest.raises(SubmissionError, match="is empty"):
+        load_submission(empty, tmp_path / "w2")
+
+    evil = tmp_path / "evil.tar.gz"
+    with tarfile.open(evil, "w:gz") as tf:
+        info = tarfile.TarInfo("../submission.patch")
+        data = good_patch().encode()
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+    with pytest.raises(SubmissionError, match="'..' path"):
+        load_submission(evil, tmp_path / "w3")
+
+    linked = tmp_path / "linked.tar.gz"
+    with tarfile.open(linked, "w:gz") as tf:
+        info = tarfile.TarInfo("submission.patch")
+        info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tf.addfile(info)
+    with pytest.raises(SubmissionError, match="not a regular file"):
+        load_submission(linked, tmp_path / "w4")
+
+    garbage = tmp_path / "garbage.zip"
+    garbage.write_bytes(b"not a zip at all")
+    with pytest.raises(SubmissionError, match="not a readable archive"):
+        load_submission(garbage, tmp_path / "w5")
+
+
+def test_cli_writes_a_zero_with_the_reason(tmp_path, capsys):
+    folder = submission_folder(tmp_path, None, name="nopatch")
+    assert main(["a1", str(folder), "--profile", "cpu-tiny", "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    out = tmp_path / "out" / "nopatch"
+    results = json.loads((out / "results.json").read_text())
+    assert results["score"] == 0 and "no submission.patch" in results["output"]
+    assert all(t["score"] == 0 for t in results["tests"])
+    assert {"feedback.md", "feedback.html", "env.json"} <= {p.name for p in out.iterdir()}
+    assert "no submission.patch" in (out / "feedback.md").read_text()
+    assert json.loads((out / "env.json").read_text())["profile"]["name"] == "cpu-tiny"
+
+
+def test_cli_rejects_an_unknown_profile(tmp_path, capsys):
+    folder = submission_folder(tmp_path, "")
+    assert main(["a1", str(folder), "--profile", "tpu-pod", "--out", str(tmp_path / "out")]) == 2
+    assert "unknown profile 'tpu-pod'" in capsys.readouterr().err
