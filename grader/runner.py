@@ -51,13 +51,23 @@ class SessionResult:
         return self.error is None
 
 
+def _weights_mb(profile: Profile) -> int:
+    """float32 weights of the profile's model, from the pristine kit's config (not the submission's)."""
+    from onenode.model import count_parameters, get_preset
+
+    total, _ = count_parameters(get_preset(profile.preset, **profile.overrides))
+    return 4 * total // 2**20
+
+
 def limits_for(profile: Profile, world: int, sessions: int) -> Limits:
-    """One child's limits. RLIMIT_AS is meaningless under CUDA (it maps far more than it uses)."""
+    """One child's limits. RLIMIT_AS is meaningless under CUDA (it maps far more than it uses);
+    files may hold the job's weights twice over (the reference weights the grader hands in)."""
     return Limits(
         wall_s=profile.timeout_s * sessions + 60,
         cpu_s=profile.timeout_s * sessions * max(1, profile.threads),
         memory_mb=None if profile.device == "cuda" else profile.memory_mb,
         nproc=512 + 256 * world,  # threads count: torch, gloo and NCCL start many per rank
+        fsize_mb=max(1024, 2 * _weights_mb(profile)),
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +62,10 @@ class NemotronHModel(nn.Module):
         return self.norm_f(hidden_states)
 
 
-@dataclass
-class CausalLMOutput:
+class CausalLMOutput(NamedTuple):
+    """A NamedTuple, not a dataclass: FSDP2 finds the output tensors with pytree to hook the
+    root's pre-backward unshard on them, and pytree walks tuples but not plain dataclasses."""
+
     logits: torch.Tensor  # [B, T, V], in the model's dtype
     loss: torch.Tensor | None = None  # scalar float32, when labels were given
 

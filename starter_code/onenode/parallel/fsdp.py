@@ -46,5 +46,6 @@ def apply_fsdp(
                 unit.set_force_sum_reduction_for_comms(True)
     for layer in _layers(model):
         fully_shard(layer, mesh=dp_mesh, **options)
-    fully_shard(model, mesh=dp_mesh, **options)
+    # The root (embeddings, norm_f, lm_head) is needed again as soon as the forward ends.
+    fully_shard(model, mesh=dp_mesh, **(options | {"reshard_after_forward": False}))
     return model
