@@ -51,6 +51,7 @@ class Job:
     workdir: Path  # grader-private scratch of the job
     starter_logs: Path  # where the starter's runs leave their logs
     _reference: Reference | None = None
+    notebooks: bool = True  # False: code parts only (a GPU node without nbgrader; notebooks graded elsewhere)
 
     def __post_init__(self):
         rng = random.Random(self.seed)
@@ -112,11 +113,12 @@ class Job:
         return Reference(tree, runs["moe"], runs["reference"], ep, moe_weights, model_weights)
 
 
-def new_job(rubric: Rubric, profile_name: str, workdir: Path, starter_logs: Path, seed: int | None = None) -> Job:
+def new_job(rubric: Rubric, profile_name: str, workdir: Path, starter_logs: Path, seed: int | None = None,
+            notebooks: bool = True) -> Job:
     """A grading job. The kit's reference solutions become grader-only before any submission runs."""
     make_private(KIT_ROOT / "solutions")
     seed = secrets.randbelow(2**31) if seed is None else seed
-    return Job(rubric, rubric.profile(profile_name), seed, workdir, starter_logs)
+    return Job(rubric, rubric.profile(profile_name), seed, workdir, starter_logs, notebooks=notebooks)
 
 
 # -- comparisons (made here, in the grader, never in the child) --------------------------------
@@ -378,5 +380,6 @@ def grade(job: Job, submission: Submission, tree: Path, logs: Path) -> Context:
         raise GraderError(f"the unpatched starter's MoE failed beside {submission.name} ({why})")
     ctx = Context(job, submission, runs, logs)
     for step in STEPS:
-        step(ctx)
+        if job.notebooks or step is not grade_notebook:
+            step(ctx)
     return ctx

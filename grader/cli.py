@@ -29,7 +29,8 @@ def _job(args):
 
     rubric = load_rubric(args.rubric)
     workdir = make_private(tempfile.mkdtemp(prefix="onenode-grade-"))
-    return new_job(rubric, args.profile, workdir, Path(args.out) / STARTER_LOGS, seed=args.seed)
+    return new_job(rubric, args.profile, workdir, Path(args.out) / STARTER_LOGS, seed=args.seed,
+                   notebooks=not args.no_notebook)
 
 
 def _run_a1(args) -> int:
@@ -121,6 +122,8 @@ def _common(parser: argparse.ArgumentParser, profile: str | None) -> None:
     parser.add_argument("--force", action="store_true", help="re-grade submissions already graded in --out")
     parser.add_argument("--rubric", default=str(RUBRIC_PATH), help="rubric TOML (default: a1_infra/rubric.toml)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--no-notebook", action="store_true",
+                        help="grade the code parts only (e.g. on a GPU node without nbgrader); grade notebooks elsewhere")
 
 
 def build_parser() -> argparse.ArgumentParser:

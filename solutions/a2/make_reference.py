@@ -1,8 +1,8 @@
 """Make the reference A2 submission, and the example A2 cohort, by training on CPU (minutes).
 
-Nothing large is committed: the recipe (recipe.yaml), the data config (data.yaml) and the
-report (report.ipynb) are; the checkpoint is trained here, once per content (cached under
-$ONENODE_CACHE/a2-runs/).
+Nothing large is committed: the recipe (recipe.yaml) and the data config (data.yaml) are; the
+report is the completed A2 notebook (assignments/source/a2/report.ipynb); the checkpoint is
+trained here, once per content (cached under $ONENODE_CACHE/a2-runs/).
 
     python solutions/a2/make_reference.py --out build/a2-reference      # one submission folder
     python solutions/a2/make_reference.py --cohort examples/a2-cohort/build
@@ -26,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 KIT_ROOT = HERE.parents[1]
 RECIPE = HERE / "recipe.yaml"
-NOTEBOOK = HERE / "report.ipynb"
+NOTEBOOK = KIT_ROOT / "assignments" / "source" / "a2" / "report.ipynb"  # the completed report (nbgrader source)
 RUN_FILES = ("recipe.yaml", "run_manifest.json", "metrics.jsonl")
 OVER_BUDGET = {"train.token_budget": 32768}  # 16 steps more than the cpu-tiny budget of 24,576 tokens
 
