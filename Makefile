@@ -24,7 +24,7 @@ export JUPYTER_RUNTIME_DIR := $(CACHE)/jupyter/runtime
 export ONENODE_CACHE := $(CACHE)/onenode
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast browser clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ test: setup
 ## Quick loop while developing: skip the tests marked slow.
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+## Chromium for the leaderboard's browser test (Debian/Ubuntu, as root); skipped without it.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
+	  (echo "make browser: could not apt-get install chromium (needs root on Debian/Ubuntu); the browser test will be skipped" >&2)
 
 clean:
 	rm -rf $(VENV) $(CACHE) out build *.egg-info
