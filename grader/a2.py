@@ -28,7 +28,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .rubric import KIT_ROOT, tomllib
+from .rubric import KIT_ROOT, pick_profile, tier_share, tomllib
 
 A2_RUBRIC_PATH = KIT_ROOT / "a2_pretrain" / "rubric.toml"
 CHECKPOINT_DIRS = ("final", "checkpoint")
@@ -61,11 +61,6 @@ class A2Profile:
     baseline_checkpoint: str | None = None
     hf_home: str | None = None
 
-    @staticmethod
-    def share(tiers: list, value: float) -> float:
-        """The best tier `value` reaches (steps, so a score does not move with noise)."""
-        return max([s for threshold, s in tiers if value >= threshold], default=0.0)
-
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
@@ -76,9 +71,7 @@ class A2Rubric:
     profiles: dict
 
     def profile(self, name: str) -> A2Profile:
-        if name not in self.profiles:
-            raise KeyError(f"unknown A2 profile {name!r}: choose one of {', '.join(self.profiles)}")
-        return self.profiles[name]
+        return pick_profile(self.profiles, name, "A2 profile")
 
 
 def load_a2_rubric(path: str | Path = A2_RUBRIC_PATH) -> A2Rubric:
@@ -429,11 +422,11 @@ def score(job: A2Job, checks: list[Check], report: dict | None, error: str | Non
         if value is None or ref is None:
             earned, line = 0.0, f"{task}: no score"
         elif entry["higher_is_better"]:
-            earned = per_task * profile.share(profile.benchmark_tiers, value - ref)
+            earned = per_task * tier_share(profile.benchmark_tiers, value - ref)
             line = f"{task} {entry['metric']} {value:.4f} vs baseline {ref:.4f} ({value - ref:+.4f})"
         else:
             ratio = ref / value if value > 0 else 0.0
-            earned = points["heldout"] * profile.share(profile.heldout_tiers, ratio)
+            earned = points["heldout"] * tier_share(profile.heldout_tiers, ratio)
             res.tests.append(test_entry("Held-out perplexity vs baseline", earned if verified else 0, points["heldout"],
                                         f"{task} {entry['metric']} {value:.3f} vs baseline {ref:.3f} "
                                         f"(baseline/yours {ratio:.3f}; tiers "

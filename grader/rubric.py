@@ -14,6 +14,18 @@ KIT_ROOT = Path(__file__).resolve().parents[1]
 RUBRIC_PATH = KIT_ROOT / "a1_infra" / "rubric.toml"
 
 
+def tier_share(tiers: list, value: float) -> float:
+    """The share of points the best tier `value` reaches: steps, not a slope, so a score does
+    not move with timing or evaluation noise. `tiers` is [[threshold, share], ...]."""
+    return max([share for threshold, share in tiers if value >= threshold], default=0.0)
+
+
+def pick_profile(profiles: dict, name: str, what: str = "profile"):
+    if name not in profiles:
+        raise KeyError(f"unknown {what} {name!r}: choose one of {', '.join(profiles)}")
+    return profiles[name]
+
+
 @dataclass(frozen=True)
 class Part:
     key: str  # "moe", "ep", "pp"
@@ -47,13 +59,7 @@ class Profile:
     layouts: dict = field(default_factory=dict)
 
     def speed_share(self, speedup: float) -> float:
-        """Share of the speed points a measured speedup reaches (steps, not a slope: a score
-        must not move with timing noise)."""
-        share = 0.0
-        for threshold, value in self.speedup_tiers:
-            if speedup >= threshold:
-                share = max(share, value)
-        return share
+        return tier_share(self.speedup_tiers, speedup)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -65,9 +71,7 @@ class Rubric:
     profiles: dict[str, Profile]
 
     def profile(self, name: str) -> Profile:
-        if name not in self.profiles:
-            raise KeyError(f"unknown profile {name!r}: choose one of {', '.join(self.profiles)}")
-        return self.profiles[name]
+        return pick_profile(self.profiles, name)
 
 
 def load_rubric(path: str | Path = RUBRIC_PATH) -> Rubric:
