@@ -158,6 +158,7 @@ def build(assignment: str, stage: Path, course: Path) -> None:
     (stage / "README.md").write_text(student_readme(assignment, handout, (stage / handout.folder / "README.md").is_file(),
                                                     has_tests))
     shutil.copy2(KIT_ROOT / ".gitignore", stage / ".gitignore")
+    shutil.copy2(KIT_ROOT / "LICENSE", stage / "LICENSE")  # pyproject.toml names it
     make_course(course, [assignment])
     for path in (course / "release" / assignment).iterdir():
         _copy(path, stage / path.name)
