@@ -41,7 +41,7 @@ demo: setup
 
 ## Tests: the whole suite (CI runs this; under 20 minutes on 2 cores).
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 ## Quick loop while developing: skip the tests marked slow.
 test-fast: setup
