@@ -126,13 +126,13 @@ def test_cohort_is_graded_against_the_baseline(tmp_path):
     out = tmp_path / "out"
     results = {r["extra_data"]["submission"]: r for r in grade_cohort_a2(cohort, job, out)}
 
-    def tests(name, tag):
+    def entries(name, tag):
         return [t for t in results[name]["tests"] if tag in t["tags"]]
 
     assert results["reference"]["extra_data"]["numbers"]["verified"]
     assert results["untrained"]["extra_data"]["numbers"]["verified"]
     assert not results["manifest-mismatch"]["extra_data"]["numbers"]["verified"]
-    assert sum(t["score"] for t in tests("manifest-mismatch", "benchmarks")) == 0  # evaluated, but earns nothing
+    assert sum(t["score"] for t in entries("manifest-mismatch", "benchmarks")) == 0  # evaluated, but earns nothing
     assert results["manifest-mismatch"]["leaderboard"]
     assert results["reference"]["score"] > results["untrained"]["score"]
     assert any(c["name"] == "contamination" and c["ok"] for c in results["reference"]["extra_data"]["audit"])
