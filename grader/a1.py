@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .rubric import KIT_ROOT, Part, Profile, Rubric
+from .report import test_entry
 from .runner import Session, SessionResult, run_sessions
 from .sandbox import make_private
 from .submission import Submission, pristine_tree
@@ -173,12 +174,6 @@ def _median_timed(run: SessionResult, warmup: int) -> float:
 
 
 # -- results -----------------------------------------------------------------------------------
-def test_entry(name: str, score: float, max_score: float, output: str, tag: str) -> dict:
-    return {"name": name, "score": round(score, 3), "max_score": max_score,
-            "status": "passed" if score >= max_score else "failed", "output": output,
-            "visibility": "visible", "tags": [tag]}
-
-
 def part_tests(part: Part, correct_points: float, perf_points: float, correct_out: str, perf_out: str) -> list[dict]:
     return [test_entry(f"{part.title}: correctness", correct_points, part.correctness, correct_out, part.key),
             test_entry(f"{part.title}: {part.performance_kind}", perf_points, part.performance, perf_out, part.key)]

@@ -28,6 +28,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .report import test_entry
 from .rubric import KIT_ROOT, pick_profile, tier_share, tomllib
 
 A2_RUBRIC_PATH = KIT_ROOT / "a2_pretrain" / "rubric.toml"
@@ -349,12 +350,11 @@ def baseline_checkpoint(profile: A2Profile) -> Path:
 
 def trained_run(recipe_path: str | Path, overrides: dict | None = None) -> Path:
     """A run folder of `onenode train RECIPE --set ...`, trained once per content of the recipe,
-    its overrides and its data config, under $ONENODE_CACHE/a2-runs/; its final/ carries the
-    tokenizer of its data."""
+    its overrides and its data config, under $ONENODE_CACHE/a2-runs/ (the trainer puts the data's
+    tokenizer in final/)."""
     import hashlib
 
     from onenode.data.corpus import cache_dir
-    from onenode.eval.model import attach_tokenizer, recipe_data_dir
     from onenode.train.recipe import load_recipe
 
     overrides = overrides or {}
@@ -369,9 +369,6 @@ def trained_run(recipe_path: str | Path, overrides: dict | None = None) -> Path:
                                "--fresh", *sets], cwd=KIT_ROOT, capture_output=True, text=True)
         if done.returncode != 0 or not (final / "config.json").is_file():
             raise RuntimeError(f"training {recipe_path} failed: {done.stderr.strip()[-500:]}")
-        data = recipe_data_dir(recipe, KIT_ROOT)
-        if data is not None:
-            attach_tokenizer(final, data)
     return run
 
 
@@ -380,12 +377,6 @@ def new_a2_job(rubric: A2Rubric, profile_name: str, workdir: Path, baseline: str
 
 
 # -- scoring -----------------------------------------------------------------------------------
-def test_entry(name: str, score: float, max_score: float, output: str, tag: str) -> dict:
-    return {"name": name, "score": round(score, 3), "max_score": max_score,
-            "status": "passed" if score >= max_score else "failed", "output": output,
-            "visibility": "visible", "tags": [tag]}
-
-
 @dataclass
 class A2Result:
     tests: list = field(default_factory=list)
@@ -450,18 +441,10 @@ def _round(value: float | None) -> float | None:
 
 
 def grade_notebook(notebook: Path | None, logs: Path) -> list[dict]:
-    """report.ipynb through grader/notebook.py (nbgrader) where that module exists."""
-    import importlib
+    """report.ipynb through nbgrader (grader/notebook.py), against the A2 template."""
+    from . import notebook as notebooks
 
-    try:
-        module = importlib.import_module("grader.notebook")
-    except ModuleNotFoundError as e:
-        if e.name != "grader.notebook":
-            raise
-        found = "found" if notebook else "missing"
-        return [test_entry("Report notebook", 0, 0, f"report.ipynb {found}; not autograded here "
-                           "(grader/notebook.py is absent)", "notebook")]
-    return module.grade(notebook, logs, assignment="a2")
+    return notebooks.grade(notebook, logs, assignment="a2")
 
 
 def run_facts(sub: A2Submission) -> dict:

@@ -92,7 +92,9 @@ def student_readme(assignment: str, handout: Handout, has_handout: bool, has_tes
     lines += [".venv/bin/jupyter lab report.ipynb                     # the report: set PROFILE in its first cell",
               "```", "", "## Submit", ""]
     if assignment == "a1":
-        lines += ["```bash", "git diff -- starter_code/onenode > submission.patch", "```", "",
+        lines += ["```bash", "git add -A starter_code/onenode   # new files too",
+                  'git diff --cached "$(git rev-list --max-parents=0 HEAD)" -- starter_code/onenode > submission.patch',
+                  "```", "",
                   "Hand in `submission.patch` and `report.ipynb` (a folder or one archive)."]
     else:
         lines += ["Hand in the final checkpoint (transformers layout), your recipe, the run manifest and logs, "

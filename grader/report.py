@@ -15,6 +15,13 @@ from pathlib import Path
 from .rubric import KIT_ROOT, Profile
 
 
+def test_entry(name: str, score: float, max_score: float, output: str, tag: str) -> dict:
+    """One Gradescope test entry."""
+    return {"name": name, "score": round(score, 3), "max_score": max_score,
+            "status": "passed" if score >= max_score else "failed", "output": output,
+            "visibility": "visible", "tags": [tag]}
+
+
 def results_json(name: str, tests: list[dict], leaderboard: list[dict], execution_time: float, output: str,
                  extra: dict) -> dict:
     """Gradescope's results format: the score is the sum of the tests' scores."""

@@ -18,10 +18,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .rubric import Profile
+from .rubric import KIT_ROOT, Profile
 from .sandbox import Limits, SandboxError, SandboxedProcess, make_scratch, spawn_sandboxed
 
 HARNESS = Path(__file__).with_name("harness.py")
+COLLECTIVES = KIT_ROOT / "a1_infra" / "tests" / "collectives.py"  # the kit's own: the harness imports it
 LOG_TAIL_LINES = 30
 DIED = "the child stopped answering"
 
@@ -80,6 +81,7 @@ class Child:
         try:
             shutil.copytree(tree / "starter_code", self.scratch / "starter_code")
             shutil.copy2(HARNESS, self.scratch / "harness.py")
+            shutil.copy2(COLLECTIVES, self.scratch / "collectives.py")
             for name, src in files_in.items():
                 shutil.copy2(src, self.scratch / name)
             env = {"OMP_NUM_THREADS": str(profile.threads), "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",

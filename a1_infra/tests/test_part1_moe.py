@@ -79,9 +79,9 @@ def test_moe_op_count_does_not_grow_with_experts():
     top = ", ".join(f"{op} +{n}" for op, n in sorted(grown.items(), key=lambda kv: -kv[1])[:4])
     assert n_many <= n_few + 4, (
         f"one MoE forward+backward dispatched {n_few} aten ops with 8 experts and {n_many} with 32 "
-        f"(grew: {top}): the routed experts run one expert at a time. Expected the same count whatever "
-        f"the number of experts: sort the tokens by expert and run one grouped GEMM per projection "
-        f"(torch._grouped_mm), then add the weighted outputs back per token (index_add_)."
+        f"(grew: {top}): the work the routed experts launch grows with the number of experts. Expected "
+        f"the same count whatever the number of experts: profile the MoE layer and look at how many "
+        f"kernels each expert costs."
     )
 
 

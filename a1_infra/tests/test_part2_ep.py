@@ -42,7 +42,7 @@ def ep_worker() -> list[dict]:
     """One optimizer step with dp=2, ep=2 per expert size: this rank's loss and collective bytes."""
     import torch.distributed as dist
 
-    from grader.harness import CollectiveCounter
+    from collectives import CollectiveCounter
 
     counter = CollectiveCounter()  # before onenode is imported, so every binding is wrapped
     from onenode.model import build_model

@@ -61,8 +61,6 @@ def make_over_budget(dest: str | Path) -> Path:
     """The reference run resumed from its last checkpoint and trained on to a larger budget: a
     real run, internally consistent, past the profile's budget."""
     from grader.a2 import trained_run
-    from onenode.eval.model import attach_tokenizer, recipe_data_dir
-    from onenode.train.recipe import load_recipe
 
     dest = Path(dest)
     run = dest.with_name(f".{dest.name}-run")
@@ -71,7 +69,6 @@ def make_over_budget(dest: str | Path) -> Path:
     sets = [f"--set={k}={v}" for k, v in OVER_BUDGET.items()]
     subprocess.run([sys.executable, "-m", "onenode.cli", "train", str(RECIPE), "--out", str(run), *sets],
                    cwd=KIT_ROOT, check=True, capture_output=True)
-    attach_tokenizer(run / "final", recipe_data_dir(load_recipe(RECIPE), KIT_ROOT))
     _assemble(run, dest, with_data=False)
     shutil.rmtree(run)
     return dest

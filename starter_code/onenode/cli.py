@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 # subcommand -> module that defines `register(subparsers)`; imported only when listed here, so a
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # e.g. "expert parallelism on"
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

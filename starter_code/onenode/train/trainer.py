@@ -426,7 +426,11 @@ class Trainer:
             self.save()
         manifest = self.manifest("finished" if finished else "stopped", time.perf_counter() - start)
         if finished and r.checkpoint.export_hf:
-            export_final(self.model, self.config, self.out_dir / "final", manifest)
+            final = export_final(self.model, self.config, self.out_dir / "final", manifest)
+            if final is not None and r.data.source != "synthetic":  # evaluation needs the tokenizer beside the weights
+                from ..eval.model import attach_tokenizer
+
+                attach_tokenizer(final, self._data_dir())
         if self.rank == 0:
             write_json(self.out_dir / "run_manifest.json", manifest)
             self.log.close()
