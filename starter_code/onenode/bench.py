@@ -34,7 +34,7 @@ from .model.config import PRESETS
 from .profiling import format_top_kernels, profiled, time_split, top_kernels, write_trace
 from .train.logging import environment, git_commit
 from .train.step import build_optimizer, train_step
-from .train.trainer import apply_activation_checkpointing, init_distributed
+from .train.trainer import apply_activation_checkpointing, apply_compile, init_distributed
 
 RECORD_VERSION = 1
 
@@ -66,21 +66,6 @@ def build_transformers_peer(model: torch.nn.Module, experts_implementation: str)
         peer = transformers.NemotronHForCausalLM(hf_config)
     peer.load_state_dict(adapt_state_dict(model.state_dict(), peer), strict=True)
     return peer
-
-
-def apply_compile(model: torch.nn.Module, mode: str) -> None:
-    """`torch.compile` per layer, as torchtitan does (one small graph per block, reused).
-
-    "mixers" compiles every Mamba2, attention and dense MLP mixer and leaves MoE mixers eager:
-    the routed experts have data-dependent shapes (tokens per expert), and the starter's
-    per-expert loop would unroll into one graph break per expert. "blocks" compiles every block,
-    MoE included: for an MoE whose routed path is compile-friendly.
-    """
-    for layer in model.backbone.layers:
-        if mode == "blocks":
-            layer.compile()
-        elif getattr(layer, "kind", None) != "moe":
-            layer.mixer.compile()
 
 
 def prepare_model(args, config, world: int, device: torch.device,

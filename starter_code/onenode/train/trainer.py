@@ -76,6 +76,21 @@ def apply_activation_checkpointing(model) -> None:
         layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
 
 
+def apply_compile(model, mode: str) -> None:
+    """`torch.compile` per layer, as torchtitan does (one small graph per block, reused).
+
+    "mixers" compiles every Mamba2, attention and dense MLP mixer and leaves MoE mixers eager:
+    the routed experts have data-dependent shapes (tokens per expert), and the starter's
+    per-expert loop would unroll into one graph break per expert. "blocks" compiles every block,
+    MoE included: for an MoE whose routed path is compile-friendly.
+    """
+    for layer in model.backbone.layers:
+        if mode == "blocks":
+            layer.compile()
+        elif getattr(layer, "kind", None) != "moe":
+            layer.mixer.compile()
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, out_dir: str | Path, resume: str | None = "auto"):
         """`resume`: "auto" (the latest checkpoint in out_dir, if any), None (start fresh) or a
@@ -94,8 +109,7 @@ class Trainer:
         if recipe.train.activation_checkpointing:
             apply_activation_checkpointing(model)
         if recipe.train.compile:
-            for layer in model.backbone.layers:
-                layer.compile()
+            apply_compile(model, "blocks")
         self.model = self._parallelize(model)
         o = recipe.optimizer
         muon = vars(o.muon) if o.name == "muon" else {}
