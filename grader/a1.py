@@ -20,8 +20,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .rubric import KIT_ROOT, Part, Profile, Rubric
 from .report import test_entry
+from .rubric import KIT_ROOT, Part, Profile, Rubric
 from .runner import Session, SessionResult, run_sessions
 from .sandbox import make_private
 from .submission import Submission, pristine_tree

@@ -59,6 +59,7 @@ def _build(spec: dict, config, device, rank: int = 0):
     """The model with the reference weights: the starter saves them (rank 0), a submission
     loads them through `adapt_state_dict`, so stacked experts get exactly the starter's values."""
     import torch
+
     from onenode.model import build_model
 
     model = build_model(config, seed=spec["init_seed"], device=device, dtype=_dtype(spec["dtype"]))
@@ -168,6 +169,7 @@ class TrainSession:
     def step(self, seed: int) -> dict:
         """One optimizer step on this rank's share of a batch made from `seed` on every rank."""
         import torch
+
         from onenode.train.step import train_step
 
         gen = torch.Generator("cpu").manual_seed(seed)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .rubric import KIT_ROOT, Profile
-from .sandbox import Limits, SandboxError, SandboxedProcess, make_scratch, spawn_sandboxed
+from .sandbox import Limits, SandboxedProcess, SandboxError, make_scratch, spawn_sandboxed
 
 HARNESS = Path(__file__).with_name("harness.py")
 COLLECTIVES = KIT_ROOT / "a1_infra" / "tests" / "collectives.py"  # the kit's own: the harness imports it
@@ -135,7 +135,7 @@ class Child:
         else:
             result.error = reply.get("error") or DIED
 
-    def run(self, session: Session, baseline: "tuple[Child, Session] | None" = None
+    def run(self, session: Session, baseline: tuple[Child, Session] | None = None
             ) -> tuple[SessionResult, SessionResult | None]:
         """Run a session; with a `baseline` (the starter's child and session) the two take
         turns step by step (ABBA), so both are timed on the same machine at the same time."""

@@ -645,7 +645,7 @@ class SandboxedProcess:
             self._lease.release()
             self._lease = None
 
-    def __enter__(self) -> "SandboxedProcess":
+    def __enter__(self) -> SandboxedProcess:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -9,10 +9,17 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from grader.a2 import (A2SubmissionError, audit_run, contamination, grade_cohort_a2, load_a2_rubric,
-                       load_a2_submission, new_a2_job)
 from test_eval import load_make_reference
+
+from grader.a2 import (
+    A2SubmissionError,
+    audit_run,
+    contamination,
+    grade_cohort_a2,
+    load_a2_rubric,
+    load_a2_submission,
+    new_a2_job,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "a2_pretrain" / "recipes" / "tiny.yaml"

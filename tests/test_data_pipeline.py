@@ -2,19 +2,18 @@
 
 import argparse
 import json
-import sys
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from onenode.data.build import build, is_validation, load_config
-from onenode.data.corpus import PARTS, fetch_default_corpus
-from onenode.data.curation import (Decontaminate, NearDedup, QualityFilter, build_filters,
-                                   read_eval_texts)
-from onenode.data.shards import Shard, ShardWriter, TokenOverflowError
 from onenode.data.cli import register
+from onenode.data.corpus import PARTS, fetch_default_corpus
+from onenode.data.curation import Decontaminate, NearDedup, QualityFilter, build_filters, read_eval_texts
+from onenode.data.shards import Shard, ShardWriter, TokenOverflowError
 from onenode.data.tokenizer import load_tokenizer, train_bpe
 
 FIXTURES = Path(__file__).parent / "fixtures" / "data"

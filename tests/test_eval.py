@@ -89,8 +89,8 @@ def test_bad_checkpoint_or_missing_tokenizer_is_one_line(tmp_path, capsys):
     pytest.importorskip("lm_eval")
     assert _onenode_eval(str(tmp_path / "nowhere")) == 2
     assert "no config.json" in capsys.readouterr().err
-    from onenode.eval.model import checkpoint_tokenizer
     from onenode.data.tokenizer import TokenizerError
+    from onenode.eval.model import checkpoint_tokenizer
 
     with pytest.raises(TokenizerError, match="carries no tokenizer"):
         checkpoint_tokenizer(tmp_path)

@@ -7,7 +7,6 @@ so EP drives the grouped experts), through `patched_copy.run_in_tree`.
 from __future__ import annotations
 
 import pytest
-
 from dist_utils import run_distributed
 from patched_copy import patched_tree, run_in_tree
 

@@ -7,7 +7,6 @@ second grading job (another seed) gives the same scores.
 
 from __future__ import annotations
 
-
 import pytest
 
 from grader import a1

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from patched_copy import patched_tree, run_in_tree
 
 PATTERN = "ME"  # one MoE layer behind a Mamba layer: whole-model checkpoints and logits too

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
 from dist_utils import run_distributed
 from patched_copy import patched_tree, run_in_tree
 from test_expert_parallel import _global_grads  # full gradients under the one-process names

@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from redteam.cases import CASES, PAYLOADS, STARTER, Case, folder
 
 cohort = pytest.importorskip("grader.cohort", reason="waiting for the grader core (grader/cohort.py)")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from grader import notebook
 from grader import a1 as grader_a1
+from grader import notebook
 from grader.export import export
 from grader.release import ReleaseError, leaks, release, student_pyproject
 from grader.report import results_json

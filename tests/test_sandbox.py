@@ -19,8 +19,16 @@ from pathlib import Path
 
 import pytest
 
-from grader.sandbox import (Limits, SandboxError, _live_pids, make_private, make_scratch, run_sandboxed,
-                            sandbox_env, spawn_sandboxed)
+from grader.sandbox import (
+    Limits,
+    SandboxError,
+    _live_pids,
+    make_private,
+    make_scratch,
+    run_sandboxed,
+    sandbox_env,
+    spawn_sandboxed,
+)
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: uid isolation (see docs/SECURITY.md)")
 FAST = Limits(wall_s=20, cpu_s=20, memory_mb=512, nproc=64, output_kb=64)

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from patched_copy import FULL_PATCH, KIT_ROOT, PARTS, git_apply, patched_tree, run_in_tree, tree_env
 
 PART_NAMES = sorted(p.stem for p in PARTS.glob("*.patch"))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 
 DP = EP = 2
@@ -41,7 +40,6 @@ def _step(model, tokens: torch.Tensor, lr: float = 1e-3) -> float:
 def ep_worker() -> list[dict]:
     """One optimizer step with dp=2, ep=2 per expert size: this rank's loss and collective bytes."""
     import torch.distributed as dist
-
     from collectives import CollectiveCounter
 
     counter = CollectiveCounter()  # before onenode is imported, so every binding is wrapped

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 
 PP = 2
