@@ -131,6 +131,27 @@ def test_muon_takes_hidden_matrices_only():
             assert n not in on_muon
 
 
+@pytest.mark.parametrize("adjust_lr_fn", ["match_rms_adamw", "original"])
+def test_muon_takes_torch_muons_steps(adjust_lr_fn):
+    """On unsharded matrices (wide, tall, with weight decay and Nesterov) the kit's Muon is torch's, bit for bit."""
+    from onenode.train.optim import Muon
+
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(6, 10, generator=gen), torch.randn(12, 5, generator=gen)]
+    grads = [[torch.randn(t.shape, generator=gen) for t in start] for _ in range(3)]
+    params = {kind: [torch.nn.Parameter(t.clone()) for t in start] for kind in ("kit", "torch")}
+    options = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": adjust_lr_fn}
+    optimizers = {"kit": Muon(params["kit"], **options), "torch": torch.optim.Muon(params["torch"], **options)}
+    for step_grads in grads:
+        for kind, optimizer in optimizers.items():
+            for param, grad in zip(params[kind], step_grads):
+                param.grad = grad.clone()
+            optimizer.step()
+    for ours, theirs, first in zip(params["kit"], params["torch"], start):
+        assert not torch.equal(ours, first)
+        assert torch.equal(ours, theirs)
+
+
 def test_muon_with_aux_loss_trains(tmp_path):
     recipe = _small(**{"optimizer.name": "muon", "moe.aux_loss_coef": 0.01, "train.token_budget": 1280,
                        "optimizer.lr": 1.0e-2})
@@ -183,7 +204,10 @@ axes:
 
 
 def _fsdp_run(out: str, optimizer: str, interrupt_at: int | None = None, micro: int = 2) -> tuple[list[float], dict]:
-    recipe = _small(**{"optimizer.name": optimizer, "train.micro_batch_size": micro})
+    # float32 Newton-Schulz: in bfloat16 a one-ulp difference between the layouts' summed gradients
+    # can flip a routing decision, and the runs part by more than float32 rounding
+    recipe = _small(**{"optimizer.name": optimizer, "train.micro_batch_size": micro,
+                       "optimizer.muon.ns_precision": "float32"})
     if interrupt_at:
         Trainer(recipe, out, resume=None).fit(stop_after_steps=interrupt_at)
     trainer = Trainer(recipe, out, resume="auto" if interrupt_at else None)
@@ -193,16 +217,17 @@ def _fsdp_run(out: str, optimizer: str, interrupt_at: int | None = None, micro: 
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("optimizer, rel", [("adamw", 1e-5), ("muon", 1e-4)])
-def test_fsdp_two_processes_match_one(tmp_path, optimizer, rel):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_fsdp_two_processes_match_one(tmp_path, optimizer):
     """Two FSDP ranks (2 micro-batches of 1 each per step), interrupted and resumed from their
-    sharded checkpoint half way, train like one uninterrupted process (2 micro-batches of 2). Muon's Newton-Schulz runs in bfloat16, and on DTensors its matmuls
-    add up in another order: its runs agree to bf16 rounding rather than float32's."""
+    sharded checkpoint half way, train like one uninterrupted process (2 micro-batches of 2), to
+    float32 rounding: Muon orthogonalises each sharded matrix whole, as one process does (torch's
+    own Muon, orthogonalising through DTensor matmuls, parted by 2.8e-4 here)."""
     from dist_utils import run_distributed
 
     single, _ = _fsdp_run(str(tmp_path / "one"), optimizer)
     ranks = run_distributed(_fsdp_run, world_size=2, args=(str(tmp_path / "two"), optimizer, 3, 1))
     (losses, manifest), (losses_1, _) = ranks
     assert losses == losses_1
-    assert losses == pytest.approx(single, rel=rel)
+    assert losses == pytest.approx(single, rel=1e-5)
     assert manifest["tokens_seen"] == manifest["data_tokens_served"] == _small().train.token_budget

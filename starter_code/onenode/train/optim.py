@@ -3,15 +3,22 @@
 Muon (Keller Jordan; Moonshot's "Muon is scalable for LLM training") orthogonalises each 2-D
 update with a few Newton-Schulz steps. It is meant for hidden-layer matrices only: embeddings,
 the LM head, the router, norms, 1-D tensors (A_log, D, dt_bias, biases) and N-D tensors (the
-Mamba conv kernel, stacked 3-D experts) stay on AdamW. `torch.optim.Muon` (torch >= 2.9, same
-signature on 2.11 and 2.13) accepts FSDP2's DTensor parameters: its matmuls run as DTensor ops,
-which gather what they need, so sharded and unsharded runs take the same steps.
+Mamba conv kernel, stacked 3-D experts) stay on AdamW.
+
+`Muon` here is `torch.optim.Muon` (torch >= 2.9) with one change for FSDP2: a sharded matrix's
+momentum is gathered and orthogonalised whole, then each rank keeps its rows. torch's own step runs
+Newton-Schulz as DTensor matmuls, which add up in another order than one process does; in bfloat16
+that difference flips routing decisions and the runs drift apart. Gathering makes every layout take
+the step one process takes (it is also what the orthogonalisation needs: the whole matrix).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .step import _no_weight_decay
 
@@ -53,6 +60,70 @@ class OptimizerList:
             opt.load_state_dict(state[str(i)])
 
 
+def orthogonalize(matrix: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float,
+                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Newton-Schulz quintic iteration towards U V^T of `matrix` (in bfloat16 by default, as torch and
+    Keller Jordan do: the iteration tolerates its rounding, and tensor cores run it fast)."""
+    a, b, c = coefficients
+    x = matrix.to(dtype)
+    tall = matrix.size(0) > matrix.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def _lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    rows, cols = shape[:2]
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1, rows / cols))  # Keller Jordan's original scaling
+
+
+class Muon(torch.optim.Muon):
+    """`torch.optim.Muon`, orthogonalising each sharded matrix whole (see the module docstring).
+
+    `ns_precision="float32"` runs Newton-Schulz in float32: slower, but two layouts then agree to
+    float32 rounding (in bfloat16 a one-ulp difference in a gradient can flip a routing decision).
+    """
+
+    def __init__(self, params, ns_precision: str = "bfloat16", **options):
+        super().__init__(params, **options)
+        self.defaults["ns_precision"] = ns_precision
+        for group in self.param_groups:
+            group.setdefault("ns_precision", ns_precision)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            momentum = group["momentum"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(param.grad)
+                buffer = state["momentum_buffer"]
+                buffer.lerp_(param.grad, 1 - momentum)
+                update = param.grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+                sharded = isinstance(update, DTensor)
+                whole = update.full_tensor() if sharded else update
+                update = orthogonalize(whole, group["ns_steps"], group["ns_coefficients"], group["eps"],
+                                       getattr(torch, group["ns_precision"]))
+                if sharded:  # this rank's rows, cut locally (no scatter: every rank holds the whole)
+                    update = distribute_tensor(update, param.device_mesh, param.placements, src_data_rank=None)
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                param.add_(update, alpha=-group["lr"] * _lr_ratio(group["adjust_lr_fn"], param.shape))
+        return loss
+
+
 def build_muon(
     model: nn.Module,
     lr: float,
@@ -63,6 +134,7 @@ def build_muon(
     nesterov: bool = True,
     ns_steps: int = 5,
     adjust_lr_fn: str = "match_rms_adamw",
+    ns_precision: str = "bfloat16",
 ) -> OptimizerList:
     """Muon on the 2-D hidden matrices, AdamW (decay on matrices only) on the rest, one lr."""
     if not hasattr(torch.optim, "Muon"):
@@ -77,9 +149,9 @@ def build_muon(
             (no_decay if _no_weight_decay(name, param) else decay).append(param)
     optimizers = []
     if muon:
-        optimizers.append(torch.optim.Muon(
+        optimizers.append(Muon(
             muon, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-            ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+            ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_precision=ns_precision,
         ))
     adamw_groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                                 {"params": no_decay, "weight_decay": 0.0}) if g["params"]]

@@ -73,6 +73,8 @@ class MuonSection:
     # match_rms_adamw scales each matrix's update to AdamW's RMS, so one lr serves both
     # optimizers (Moonshot's "Muon is scalable"); "original" is Keller Jordan's scaling.
     adjust_lr_fn: str = "match_rms_adamw"
+    # Newton-Schulz precision: bfloat16 (fast) or float32 (layouts agree to float32 rounding)
+    ns_precision: str = "bfloat16"
 
 
 @dataclass
@@ -200,6 +202,7 @@ class Recipe:
             ("optimizer.betas", len(o.betas) == 2, "is a list of two numbers"),
             ("optimizer.muon.adjust_lr_fn", o.muon.adjust_lr_fn in ("original", "match_rms_adamw"),
              "is original or match_rms_adamw"),
+            ("optimizer.muon.ns_precision", o.muon.ns_precision in ("bfloat16", "float32"), "is bfloat16 or float32"),
             ("schedule.name", s.name in ("wsd", "cosine", "constant"), "is wsd, cosine or constant"),
             ("schedule.decay_shape", s.decay_shape in ("linear", "cosine", "1-sqrt"), "is linear, cosine or 1-sqrt"),
             ("schedule.warmup_fraction", 0 <= s.warmup_fraction < 1, "is in [0, 1)"),
