@@ -140,10 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_run_demo)
     _add_release_export(sub)
     # A2 grading and the cohort leaderboard live in their own modules (grader/a2.py, grader/leaderboard.py).
-    from . import a2, leaderboard
+    from . import a2, hints, leaderboard
 
     a2.register(sub)
     leaderboard.register(sub)
+    hints.register(sub)
     return parser
 
 

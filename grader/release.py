@@ -25,6 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import hints
 from .notebook import NOTEBOOK_ID, make_course
 from .rubric import KIT_ROOT, tomllib
 from .submission import load_submission, patched_tree, pristine_tree
@@ -133,7 +134,7 @@ def leaks(bundle: Path, secret_lines: set[str]) -> list[str]:
     for path, text in text_files(bundle):
         where = path.relative_to(bundle)
         found += [f"{where}: {marker!r}" for marker in FORBIDDEN_MARKERS if marker in text]
-        found += [f"{where}: reference line {line[:60]!r}" for line in sorted(secret_lines) if line in text]
+        found += [f"{where}: secret line {line[:60]!r}" for line in sorted(secret_lines) if line in text]
     return found
 
 
@@ -182,9 +183,9 @@ def release(assignment: str, out: Path, course: Path, force: bool = False) -> Pa
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         build(assignment, stage, course)
-        secret = set()
+        secret = hints.secret_lines(assignment)
         if not HANDOUTS[assignment].with_reference_a1:
-            secret = reference_lines((SOLUTIONS_A1 / "submission.patch").read_text(encoding="utf-8"), stage / "starter_code")
+            secret |= reference_lines((SOLUTIONS_A1 / "submission.patch").read_text(encoding="utf-8"), stage / "starter_code")
         found = leaks(stage, secret)
         if found:
             raise ReleaseError(f"the {assignment} release would leak ({len(found)} hits, first: {found[0]}): fix the source")

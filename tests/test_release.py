@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from grader import a1 as grader_a1
-from grader import notebook
+from grader import hints, notebook
 from grader.export import export
-from grader.release import ReleaseError, leaks, release, student_pyproject
+from grader.release import HANDOUTS, ReleaseError, leaks, release, student_pyproject
 from grader.report import results_json
 from grader.rubric import tomllib
 
@@ -45,9 +45,23 @@ def test_leak_check_finds_markers_and_reference_lines(tmp_path):
     (tmp_path / "b.ipynb").write_text('{"source": "### BEGIN HIDDEN TESTS\\n"}')
     (tmp_path / "c.txt").write_text("nothing to see\n")
     found = leaks(tmp_path, {"return torch._grouped_mm(x, w, offs=offsets)"})
-    assert any(f.startswith("a/x.py: reference line") for f in found)
+    assert any(f.startswith("a/x.py: secret line") for f in found)
     assert any(f.startswith("b.ipynb: 'BEGIN HIDDEN TESTS'") for f in found)
     assert not any(f.startswith("c.txt") for f in found)
+
+
+def test_hints_come_one_rung_at_a_time_and_never_ship(tmp_path, monkeypatch, capsys):
+    from grader.cli import main
+
+    assert main(["hints", "a1", "--part", "2", "--rung", "1"]) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("**Part 2: expert parallelism, hint 1 of 4**")
+    assert hints.rung("a1", 2, 4) not in first and "GroupedExperts" not in first
+    assert main(["hints", "a1", "--part", "2", "--rung", "9"]) == 2
+    assert "has rungs 1 to 4, not 9" in capsys.readouterr().err
+    handout = (ROOT / "a1_infra" / "README.md").read_text()
+    assert not [line for line in hints.secret_lines("a1") if line in handout]
+    assert "hints.toml" not in HANDOUTS["a1"].parts
 
 
 def test_student_pyproject_has_no_grader():
@@ -96,6 +110,8 @@ def test_a1_release_leaks_nothing(a1_release):
     texts = {p: p.read_text(errors="replace") for p in files}
     hits = [(p.name, ln) for p, text in texts.items() for ln in secret if ln in text]
     assert hits == []
+    hint_lines = hints.secret_lines("a1")
+    assert len(hint_lines) > 20 and not [ln for text in texts.values() for ln in hint_lines if ln in text]
 
 
 @pytest.mark.slow
