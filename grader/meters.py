@@ -1,0 +1,72 @@
+"""What the grader reads about a running child from outside it: CPU time, GPU memory, NVLink traffic.
+
+None of these pass through the child: the kernel's /proc and the NVIDIA driver (through
+`nvidia-smi`) answer the grader directly, so a submission cannot edit them from inside its own
+process the way it can edit any counter it keeps itself. Loopback traffic of the child's own
+network namespace (gloo on CPU) comes from the sandbox (`SandboxedProcess.network_bytes`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_NVLINK_TX = re.compile(r"Link \d+: Data Tx: (\d+) KiB")
+
+
+def cpu_seconds(pids: Iterable[int]) -> dict[int, float]:
+    """User + system CPU seconds each live process has used so far (/proc/<pid>/stat)."""
+    seconds = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        seconds[pid] = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime
+    return seconds
+
+
+def _nvidia_smi(*args: str) -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        result = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def parse_nvlink_tx(text: str) -> int | None:
+    """Bytes sent over every NVLink of every GPU, from `nvidia-smi nvlink -gt d`; None without links."""
+    counts = [int(kib) for kib in _NVLINK_TX.findall(text)]
+    return 1024 * sum(counts) if counts else None
+
+
+def nvlink_tx_bytes() -> int | None:
+    """Bytes the machine's GPUs have sent each other over NVLink so far (None: no NVLink counters).
+
+    The driver counts every byte NCCL moves between GPUs of the node, whichever process moved
+    it, so the grading job must own the GPUs it reads (one job per node, as `cluster/` runs it)."""
+    text = _nvidia_smi("nvlink", "-gt", "d")
+    return parse_nvlink_tx(text) if text else None
+
+
+def parse_gpu_memory(text: str) -> dict[int, int]:
+    """{pid: bytes} from `nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits`."""
+    memory = {}
+    for line in text.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and mib.strip().isdigit():
+            memory[int(pid)] = memory.get(int(pid), 0) + int(mib) * 2**20
+    return memory
+
+
+def gpu_memory_by_pid() -> dict[int, int]:
+    """GPU memory each process holds now (the caching allocator keeps its peak reserved)."""
+    text = _nvidia_smi("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits")
+    return parse_gpu_memory(text) if text else {}
