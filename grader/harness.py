@@ -99,7 +99,13 @@ class MoeSession:
         self.device = torch.device(spec["device"])
         config = _config(spec, {**spec["moe"].get("overrides", {}), "hybrid_override_pattern": "E"})
         self.model = _build(spec, config, self.device)
+        # The grader's float32 reference computes with the stored (e.g. bfloat16) weights and
+        # inputs upcast, so a bfloat16 submission is compared with exact arithmetic, not with
+        # the starter's own rounding.
+        self.dtype = _dtype(spec.get("compute_dtype", spec["dtype"]))
         self.layer = self.model.backbone.layers[0].mixer
+        if "compute_dtype" in spec:
+            self.layer.to(self.dtype)
         self.shape = (1, spec["moe"]["tokens"], config.hidden_size)
 
     def info(self) -> dict:
@@ -107,21 +113,31 @@ class MoeSession:
 
     def step(self, seed: int) -> list[dict]:
         """`iters` forward+backward passes on inputs drawn from `seed` (several per workload, so
-        the round trip through the pipes is a small part of what the grader times)."""
+        the round trip through the pipes is a small part of what the grader times). Expert
+        gradients are sketched expert by expert, read through `onenode.adapters`: a gradient in
+        another expert's slot, or with its sign flipped, shows."""
         import torch
 
+        from onenode.adapters import routed_expert_grads
+
         gen = torch.Generator(self.device).manual_seed(seed)
-        dtype = _dtype(self.spec["dtype"])
+        stored = _dtype(self.spec["dtype"])
         digests = []
         for _ in range(self.spec["moe"].get("iters", 1)):
-            x, grad_out, probe = (torch.randn(self.shape, generator=gen, device=self.device, dtype=dtype) for _ in range(3))
+            x, grad_out, probe = (torch.randn(self.shape, generator=gen, device=self.device).to(stored).to(self.dtype)
+                                  for _ in range(3))
             x.requires_grad_(True)
             y = self.layer(x)
             y.backward(grad_out)
+            experts = {}
+            for name, grad in zip(("up", "down"), routed_expert_grads(self.layer)):
+                direction = torch.randn(grad.shape, generator=gen, device=self.device)
+                experts[name] = [_sketch(g, d) for g, d in zip(grad, direction)]
             params = [p for p in self.layer.parameters() if p.grad is not None]
             digests.append({
                 "out": _sketch(y, grad_out, probe),
                 "dx": _sketch(x.grad, grad_out, probe),
+                "experts": experts,
                 "dparams": _grad_norms([p.grad for p in params]),
             })
             for p in params:
