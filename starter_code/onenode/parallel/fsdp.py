@@ -21,6 +21,22 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return list(layers.children()) if layers is not None else []
 
 
+def _shard_other_dtypes(layer: nn.Module, mesh: DeviceMesh, options: dict) -> None:
+    """FSDP2 gathers a unit's parameters into one buffer of one dtype: a module whose parameters
+    are all of another dtype than the layer's bulk (the float32 router of a bfloat16 model) gets
+    a unit of its own first."""
+    sizes: dict[torch.dtype, int] = {}
+    for param in layer.parameters():
+        sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    if len(sizes) < 2:
+        return
+    bulk = max(sizes, key=sizes.get)
+    for module in layer.modules():
+        own = list(module.parameters(recurse=False))
+        if own and all(param.dtype != bulk for param in own):
+            fully_shard(module, mesh=mesh, **options)
+
+
 def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -45,6 +61,7 @@ def apply_fsdp(
             if expert_mesh.size() > 1:  # sum, then divide: gloo has no PREMUL_SUM (one rank just divides)
                 unit.set_force_sum_reduction_for_comms(True)
     for layer in _layers(model):
+        _shard_other_dtypes(layer, dp_mesh, options)
         fully_shard(layer, mesh=dp_mesh, **options)
     # The root (embeddings, norm_f, lm_head) is needed again as soon as the forward ends.
     fully_shard(model, mesh=dp_mesh, **(options | {"reshard_after_forward": False}))
