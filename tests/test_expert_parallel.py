@@ -103,7 +103,7 @@ def _assert_same_training(reference: dict, candidate: dict, what: str) -> None:
     assert set(candidate["grads"]) == set(reference["grads"]), f"{what}: different parameters"
     for name, grad in reference["grads"].items():
         torch.testing.assert_close(torch.tensor(candidate["grads"][name]), torch.tensor(grad),
-                                   rtol=1e-3, atol=1e-6, msg=lambda m: f"{what}, gradient of {name}: {m}")
+                                   rtol=1e-3, atol=1e-6, msg=lambda m, name=name: f"{what}, gradient of {name}: {m}")
 
 
 def compare_layouts(layouts: list[list[int]]) -> dict:
