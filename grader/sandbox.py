@@ -681,7 +681,7 @@ class SandboxedProcess:
                                       status_fd=status_w) + command
             self._start = time.monotonic()
             self._popen = subprocess.Popen(
-                command, cwd=cwd, env=env, close_fds=True, pass_fds=(status_w,) if status_w else (),
+                command, cwd=cwd, env=env, close_fds=True, pass_fds=() if status_w is None else (status_w,),
                 start_new_session=True, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=self._child_setup_fn())
         except BaseException as e:
