@@ -24,7 +24,7 @@ export JUPYTER_RUNTIME_DIR := $(CACHE)/jupyter/runtime
 export ONENODE_CACHE := $(CACHE)/onenode
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup demo test test-fast browser clean
+.PHONY: setup demo test test-fast system-deps browser clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,11 +47,18 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
-## Chromium for the leaderboard's browser test (Debian/Ubuntu, as root); skipped without it.
-browser:
+## System packages (Debian/Ubuntu, as root). bubblewrap: the grader's sandbox, without which it
+## refuses to run submissions (docs/SECURITY.md), so failing to install it stops here. chromium:
+## the leaderboard's browser test, skipped without it.
+system-deps:
+	@command -v bwrap >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) || \
+	  (echo "make system-deps: could not apt-get install bubblewrap (needs root on Debian/Ubuntu): install it, the grader does not run submissions without it" >&2; exit 1)
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
 	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
-	  (echo "make browser: could not apt-get install chromium (needs root on Debian/Ubuntu); the browser test will be skipped" >&2)
+	  (echo "make system-deps: could not apt-get install chromium (needs root on Debian/Ubuntu); the browser test will be skipped" >&2)
+
+## The former name of system-deps.
+browser: system-deps
 
 clean:
 	rm -rf $(VENV) $(CACHE) out build *.egg-info

@@ -2,19 +2,30 @@
 
 What the sandbox enforces, and where (docs/SECURITY.md has the threat model):
 
-- grader running as root: each run leases a dedicated uid from a pool (``ONENODE_SANDBOX_UIDS``,
-  default 60100-60163, no passwd entry), the scratch copy is chowned to it, so the child can write
-  nowhere else we care about and cannot read grader-private (0700 root) directories; RLIMIT_NPROC
-  caps that uid's processes (a fork bomb stops there), and at the end every process of the uid is
-  killed at once (``kill(-1)`` from the uid itself), daemons that left the session included.
-- no network: a fresh network namespace (root, or an unprivileged user namespace where the kernel
-  allows one) with only its own loopback, so multi-process gloo still works but nothing outside the
-  sandbox, the machine's own 127.0.0.1 included, can be reached. Where neither works: a warning.
-- rlimits on CPU time, address space, processes, open files and file size; ``no_new_privs`` so
-  setuid binaries cannot give privileges back; wall time, whole-session kill and capped
-  stdout/stderr are enforced from the grader process.
-- a Python install the uid cannot reach (pyenv under a 0700 /root) is bind-mounted read-only
-  into a private mount namespace, and nothing else of that directory.
+- a file system of its own: bubblewrap (``bwrap``) starts the child in new mount, pid, network,
+  ipc, uts and cgroup namespaces, on a root that holds only the system's programs and libraries
+  (``/usr`` and its links), a few files of ``/etc``, the Python install (``sys.prefix`` and
+  ``sys.base_prefix``), all read-only, a ``/proc`` of its own pid namespace, a minimal ``/dev``,
+  private ``/tmp`` and ``/dev/shm``, and the scratch copy: the only host path it can write and the
+  only one holding course material. Other submissions, copies of the kit (the one the venv lives
+  in included), hidden tests and solutions are simply not there, whatever their permissions. On
+  GPU machines (``/dev/nvidia0`` exists) the NVIDIA devices and ``/sys`` (read-only) are added.
+- no network: the network namespace holds only its own loopback, so multi-process gloo works
+  and nothing outside the sandbox, the machine's own 127.0.0.1 included, can be reached.
+- grader running as root: each run leases a uid from a pool (``ONENODE_SANDBOX_UIDS``, default
+  60100-60163, no passwd entry); bwrap sets up as root and ``setpriv`` drops to that uid inside
+  (no groups, no capabilities), so RLIMIT_NPROC caps the run's processes and the scratch copy is
+  the only thing it owns. Not root: bwrap runs as the grader's user in a user namespace of its
+  own, which may create no further ones.
+- rlimits on CPU time, address space, processes, open files and file size; ``no_new_privs``;
+  wall time, killing the whole pid namespace at the end and capped stdout/stderr are enforced
+  from the grader process.
+- evidence the grader reads from outside the child, never from what it reports: ``pids()``,
+  ``network_bytes()``, ``peak_memory_bytes()``; ``pause()``/``resume()`` freeze it.
+
+Without a bwrap that works here the sandbox refuses to run anything (``SandboxError`` says what
+to install) unless ``ONENODE_UNSAFE_NO_SANDBOX=1`` is set, which runs submission code with only
+the rlimits, the uid and the kill at the end, and says so loudly.
 
 Two entry points: ``run_sandboxed`` (run to completion, capture output) and ``spawn_sandboxed``
 (pipes for the timed harness). The child's environment is built from an allow-list
@@ -25,6 +36,8 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import glob
+import json
 import math
 import os
 import pwd
@@ -32,9 +45,7 @@ import resource
 import select
 import shutil
 import signal
-import socket
 import stat
-import struct
 import subprocess
 import sys
 import tempfile
@@ -47,18 +58,23 @@ from functools import cache
 from pathlib import Path
 
 __all__ = [
-    "Limits", "SandboxResult", "SandboxedProcess", "SandboxError", "run_sandboxed",
-    "spawn_sandboxed", "sandbox_env", "make_private", "make_scratch", "capabilities",
+    "Limits", "SandboxResult", "SandboxedProcess", "SandboxError", "ProcessMemory", "run_sandboxed",
+    "spawn_sandboxed", "sandbox_env", "make_private", "make_scratch", "capabilities", "UNSAFE_ENV",
 ]
 
 MIB = 1 << 20
-_CLONE_NEWNS, _CLONE_NEWNET, _CLONE_NEWUSER = 0x00020000, 0x40000000, 0x10000000
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = (
-    0x1, 0x2, 0x4, 0x20, 0x1000, 0x4000, 0x40000)
+BWRAP = "bwrap"  # looked up on the grader's PATH (Debian/Ubuntu: apt-get install bubblewrap)
+SETPRIV = "setpriv"  # util-linux: drops to the leased uid inside the sandbox when the grader is root
+UNSAFE_ENV = "ONENODE_UNSAFE_NO_SANDBOX"  # "1": run submission code without bubblewrap (never for grading)
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
-_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
-# Top-level entries the sandbox uid leaves in these world-writable dirs are deleted after each run.
-_SHARED_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+# What of /etc the child sees: users and groups by number, name resolution of localhost, the
+# dynamic linker's cache, time zone, certificates, Debian's alternatives links. Nothing else:
+# pip.conf, gitconfig, npmrc and friends may hold tokens.
+_ETC = ("passwd", "group", "nsswitch.conf", "hosts", "host.conf", "resolv.conf", "gai.conf", "ld.so.cache",
+        "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "alternatives", "ssl", "ca-certificates",
+        "mime.types", "os-release")
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_SIGNALS = {s.value for s in signal.Signals}
 _OOM_MARKERS = (b"MemoryError", b"can't allocate memory", b"Unable to allocate", b"std::bad_alloc",
                 b"Cannot allocate memory", b"out of memory")
 
@@ -75,6 +91,7 @@ class Limits:
     adds its stack and malloc arena (up to ~72 MiB); CUDA maps far more than it uses, so pass
     ``None`` on GPU profiles (docs/SECURITY.md).
     ``cpu_s`` is per process; ``nproc`` counts threads too (torch starts one per core).
+    ``fsize_mb`` also sizes the private /tmp and /dev/shm (tmpfs, in memory).
     """
 
     wall_s: float = 600.0
@@ -109,10 +126,20 @@ class SandboxResult:
     stderr_truncated: bool
     network_isolated: bool
     reason: str
+    filesystem_isolated: bool = False  # bubblewrap built the child's file system (False only when unsafe)
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0 and self.killed_reason is None
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """The most memory the grader saw one sandboxed process hold: resident set (VmHWM, bytes) and,
+    where nvidia-smi exists, GPU memory (bytes; None without nvidia-smi)."""
+
+    rss: int
+    gpu: int | None
 
 
 # ----------------------------------------------------------------------------- what this machine allows
@@ -132,107 +159,235 @@ def _uid_pool() -> range:
     try:
         first, last = (int(x) for x in spec.split("-"))
     except ValueError:
-        raise SandboxError(f"ONENODE_SANDBOX_UIDS={spec!r}: expected FIRST-LAST, e.g. 60100-60163")
+        raise SandboxError(f"ONENODE_SANDBOX_UIDS={spec!r}: expected FIRST-LAST, e.g. 60100-60163") from None
     return range(first, last + 1)
 
 
-def _enter_network_namespace(own_uid: int, own_gid: int, as_root: bool) -> None:
-    """In the child, before dropping privileges: a new netns whose only interface is its own lo."""
-    libc = _libc()
-    if libc.unshare(_CLONE_NEWNET if as_root else _CLONE_NEWUSER | _CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"unshare(CLONE_NEWNET): {os.strerror(err)}")
-    if not as_root:  # keep our own identity inside the user namespace
-        Path("/proc/self/setgroups").write_text("deny")
-        Path("/proc/self/uid_map").write_text(f"{own_uid} {own_uid} 1")
-        Path("/proc/self/gid_map").write_text(f"{own_gid} {own_gid} 1")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # lo up: gloo rendezvous inside
-        flags = struct.unpack("16sH22x", fcntl.ioctl(s, _SIOCGIFFLAGS, struct.pack("16sH22x", b"lo", 0)))[1]
-        fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | _IFF_UP))
+def _unsafe_allowed() -> bool:
+    return os.environ.get(UNSAFE_ENV) == "1"
 
 
-def _unreachable_python() -> dict[str, list[str]]:
-    """Python installs the sandbox uid cannot reach (pyenv under 0700 /root), by blocking directory."""
-    hidden: dict[str, list[str]] = {}
-    for prefix in sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}):
-        blocker = next((str(d) for d in reversed(Path(prefix).parents)
-                        if not d.stat().st_mode & stat.S_IXOTH), None)
-        if blocker:
-            hidden.setdefault(blocker, []).append(prefix)
-    return hidden
-
-
-def _expose_python(hidden: dict[str, list[str]]) -> None:
-    """In the child, as root: a private mount namespace where each blocking directory is an empty
-    tmpfs holding only read-only binds of the Python install, so the interpreter starts and the
-    rest of, say, /root stays out of sight."""
-    libc = _libc()
-
-    def check(rc: int, what: str) -> None:
-        if rc != 0:
-            raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
-
-    check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
-    for blocker, prefixes in hidden.items():
-        fds = {prefix: os.open(prefix, os.O_PATH | os.O_DIRECTORY) for prefix in prefixes}
-        check(libc.mount(b"tmpfs", blocker.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=0755,size=64k"),
-              f"mount tmpfs on {blocker}")
-        for prefix, fd in fds.items():
-            os.makedirs(prefix, mode=0o755, exist_ok=True)
-            check(libc.mount(f"/proc/self/fd/{fd}".encode(), prefix.encode(), None, _MS_BIND | _MS_REC, None),
-                  f"bind {prefix}")
-            check(libc.mount(None, prefix.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None),
-                  f"remount {prefix} read-only")
-            os.close(fd)
+def _gpu_machine() -> bool:
+    return os.path.exists("/dev/nvidia0")
 
 
 @cache
-def _network_namespace_available() -> bool:
-    """Probe once with a throwaway child: containers and hardened kernels often forbid unshare."""
-    _libc()
-    uid, gid, root = os.getuid(), os.getgid(), _is_root()
+def _sandbox_problem() -> str | None:
+    """Why bubblewrap cannot build the sandbox on this machine (one line saying what to install or
+    check), or None when it can: probed once with a throwaway sandbox running ``true``."""
+    bwrap = shutil.which(BWRAP)
+    if bwrap is None:
+        return "bubblewrap is not installed: apt-get install bubblewrap"
+    if _is_root() and shutil.which(SETPRIV) is None:
+        return "setpriv is not installed: apt-get install util-linux"
+    tree = _Tree()
+    tree.system()
     try:
-        subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], check=True, timeout=30,
-                       preexec_fn=lambda: _enter_network_namespace(uid, gid, root),
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return True
+        probe = subprocess.run([bwrap, *_namespace_args(network=False), *tree.args, "--", "true"], timeout=60,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"bubblewrap cannot start here ({e})"
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+        return f"bubblewrap cannot build a sandbox here ({last})"
+    return None
 
 
 def capabilities() -> dict[str, object]:
     """Which guarantees hold on this machine (docs/SECURITY.md); the grader records it in env.json."""
-    root = _is_root()
+    root, problem = _is_root(), _sandbox_problem()
+    isolated = problem is None
     return {
+        "sandbox_problem": problem,
+        "unsafe_no_sandbox": not isolated and _unsafe_allowed(),
+        "filesystem_isolated": isolated,
+        "network_namespace": isolated,
+        "pid_namespace": isolated,
+        "user_namespaces_closed": isolated and (not root or _user_namespaces_closable()),
         "separate_uid": root,
         "uid_pool": f"{_uid_pool().start}-{_uid_pool().stop - 1}" if root else None,
-        "private_dirs": root,
-        "kill_escaped_daemons": root,
-        "network_namespace": _network_namespace_available(),
+        "private_dirs": isolated or root,
+        "kill_escaped_daemons": isolated or root,
+        "gpu_devices": sorted(glob.glob("/dev/nvidia*")) if isolated and _gpu_machine() else [],
         "nvidia_smi": shutil.which("nvidia-smi") is not None,
     }
+
+
+def _require_sandbox() -> bool:
+    """True when bubblewrap isolates the child; False when the operator chose to run unsandboxed.
+    Otherwise refuse: grading untrusted code without the sandbox is never the default."""
+    problem = _sandbox_problem()
+    if problem is None:
+        return True
+    if not _unsafe_allowed():
+        raise SandboxError(f"{problem}; the grader does not run submission code without its sandbox "
+                           f"(set {UNSAFE_ENV}=1 to do so anyway on a machine of your own, never for grading)")
+    return False
 
 
 @cache
 def _warn_about_gaps() -> None:
     gaps = []
+    problem = _sandbox_problem()
+    if problem is not None:
+        gaps.append(f"{UNSAFE_ENV}=1 and {problem}: submission code runs WITHOUT a sandbox: it reads every "
+                     "file the sandbox user can (other submissions, the kit, solutions), reaches the network, "
+                     "and what it writes in /tmp stays; never grade a cohort like this")
     if not _is_root():
-        gaps.append(f"the grader runs as uid {os.getuid()}, not root: submission code runs as that user, "
-                    "can read whatever it can (solutions, hidden tests, results, other scratch copies), "
-                    "and a daemon that leaves its session survives; run the grader as root to close this")
-    if not _network_namespace_available():
-        gaps.append("no network namespace can be created here (unshare refused): submission code has "
-                    "the machine's network; grade on a machine that allows unshare --net")
+        gaps.append(f"the grader runs as uid {os.getuid()}, not root: submission code runs as that user "
+                    "(RLIMIT_NPROC counts its other processes too); run the grader as root for a uid of its own")
     if gaps:
         warnings.warn("sandbox: " + "; ".join(gaps), RuntimeWarning, stacklevel=4)
+
+
+# ----------------------------------------------------------------------------- the child's file system
+
+
+def _namespace_args(network: bool) -> list[str]:
+    """bwrap's namespaces. As root, bwrap keeps only what it needs to enter the scratch (owned by
+    the leased uid, 0700) and setpriv needs to drop to that uid, after which none is left;
+    otherwise bwrap runs in a user namespace of its own, and the child may not create another
+    (there it could hide processes and traffic from the grader's counters)."""
+    args = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
+            "--new-session"]
+    if not network:
+        args.append("--unshare-net")
+    if _is_root():
+        args += ["--cap-drop", "ALL"]
+        for cap in ("CAP_DAC_READ_SEARCH", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"):
+            args += ["--cap-add", cap]
+    else:
+        args += ["--unshare-user", "--disable-userns"]
+    return args
+
+
+class _Tree:
+    """bwrap arguments that build the child's root, one mount at a time, in order.
+
+    Host paths keep their place. The directories bwrap creates on the way to a mount point are
+    made 0755 (bwrap's own are 0700, which the leased uid could not pass through).
+    """
+
+    def __init__(self) -> None:
+        self.args: list[str] = []
+        self._bound: list[str] = []  # host trees bound in: directories inside them exist already
+        self._made: set[str] = {"/"}
+
+    def _covered(self, path: str) -> bool:
+        return any(path == top or path.startswith(top.rstrip("/") + "/") for top in self._bound)
+
+    def _parents(self, dest: str) -> None:
+        for parent in reversed(Path(dest).parents):
+            name = str(parent)
+            if name not in self._made and not self._covered(name):
+                self.args += ["--perms", "0755", "--dir", name]
+                self._made.add(name)
+
+    def bind(self, option: str, path: str) -> None:
+        """``option`` (--ro-bind, --bind, --dev-bind, their -try forms) of ``path`` onto itself."""
+        if option.endswith("-try") and not os.path.exists(path):
+            return
+        self._parents(path)
+        self.args += [option, path, path]
+        self._bound.append(path)
+
+    def special(self, option: str, dest: str, *, perms: str | None = None, size_mb: int | None = None) -> None:
+        """A fresh mount bwrap makes itself: --proc, --dev or --tmpfs."""
+        self._parents(dest)
+        if perms:
+            self.args += ["--perms", perms]
+        if size_mb:
+            self.args += ["--size", str(size_mb * MIB)]
+        self.args += [option, dest]
+        self._made.add(dest)
+
+    def system(self) -> None:
+        """Programs and libraries (read-only), as the host lays them out (merged /usr or not)."""
+        for top in _SYSTEM_DIRS:
+            if os.path.islink(top):
+                self.args += ["--symlink", os.readlink(top), top]
+            elif os.path.isdir(top):
+                self.bind("--ro-bind", top)
+        for name in _ETC:
+            self.bind("--ro-bind-try", f"/etc/{name}")
+
+    def devices_and_temp(self, fsize_mb: int | None) -> None:
+        """Its own /proc (pid namespace), a minimal /dev, private /tmp and /dev/shm (tmpfs, capped
+        at ``fsize_mb``), CPU topology for torch; on GPU machines the NVIDIA devices and /sys."""
+        self.special("--proc", "/proc")
+        self.special("--dev", "/dev")
+        self.special("--tmpfs", "/dev/shm", perms="1777", size_mb=fsize_mb)
+        self.special("--tmpfs", "/tmp", perms="1777", size_mb=fsize_mb)
+        if _gpu_machine():  # untested on CPU-only machines: docs/SECURITY.md
+            for device in sorted(glob.glob("/dev/nvidia*")):  # nvidia0.., nvidiactl, nvidia-uvm, nvidia-caps/
+                self.bind("--dev-bind", device)
+            self.bind("--ro-bind", "/sys")  # NVML walks the PCI tree; /proc/driver/nvidia comes with /proc
+            self.bind("--ro-bind-try", "/run/nvidia-persistenced")
+        else:
+            self.bind("--ro-bind-try", "/sys/devices/system/cpu")
+            self.bind("--ro-bind-try", "/sys/devices/system/node")
+
+    def interpreter(self) -> None:
+        """The Python the grader runs (a venv and the base install it points to) and the directories
+        of LD_LIBRARY_PATH (the grader's CUDA libraries, which sandbox_env passes on), read-only.
+        Only these prefixes: a venv inside the kit brings nothing else of the kit, and the source
+        its editable installs point to stays out (PYTHONPATH points at the scratch copy)."""
+        prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
+        for prefix in sorted(prefixes):
+            if not self._covered(prefix):
+                self.bind("--ro-bind", prefix)
+        for directory in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):  # the grader's CUDA libraries
+            if os.path.isabs(directory) and not self._covered(os.path.realpath(directory)):
+                self.bind("--ro-bind-try", os.path.realpath(directory))
+
+
+def _bwrap_argv(*, scratch: Path, cwd: Path, readable: Sequence[Path], limits: Limits, status_fd: int) -> list[str]:
+    """The bwrap command line (up to its ``--``) that starts a child in ``cwd`` in a new root:
+    system, devices, Python, ``readable`` (read-only), then ``scratch`` (the one writable place)."""
+    tree = _Tree()
+    tree.system()
+    tree.devices_and_temp(limits.fsize_mb)
+    tree.interpreter()
+    for path in readable:
+        tree.bind("--ro-bind", str(path))
+    tree.bind("--bind", str(scratch))
+    return [shutil.which(BWRAP), *_namespace_args(limits.network), "--json-status-fd", str(status_fd), *tree.args,
+            "--chdir", str(cwd), "--"]
+
+
+def _as_uid(uid: int, sandboxed: bool) -> list[str]:
+    """What root runs before the command (inside the sandbox, bwrap does): setpriv becomes ``uid``
+    for good (no groups, no capabilities, not even in the bounding set); then in the sandbox, where
+    the kernel lets users create user namespaces, a second bwrap as that uid enters one that may
+    create no other, so the child cannot rearrange its mounts or hide processes and traffic in
+    namespaces of its own."""
+    args = [shutil.which(SETPRIV), f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--pdeathsig=KILL", "--"]
+    if sandboxed and _user_namespaces_closable():
+        args += [shutil.which(BWRAP), "--unshare-user", "--disable-userns", "--dev-bind", "/", "/", "--"]
+    return args
+
+
+@cache
+def _user_namespaces_closable() -> bool:
+    """Whether an unprivileged uid may enter a user namespace with further ones disabled (where it
+    may not, the kernel refuses the child any user namespace anyway)."""
+    nobody = "65534"
+    try:
+        return subprocess.run([shutil.which(SETPRIV), f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups", "--",
+                               shutil.which(BWRAP), "--unshare-user", "--disable-userns", "--dev-bind", "/", "/", "--",
+                               "true"], timeout=60, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 # ----------------------------------------------------------------------------- files and directories
 
 
 def make_private(path: str | os.PathLike) -> Path:
-    """Make a grader-only directory (solutions, hidden tests, results): 0700, root-owned when root."""
+    """Make a grader-only directory (solutions, hidden tests, results): 0700, root-owned when root.
+    The sandbox does not see it anyway; this keeps it private when the sandbox is off (unsafe)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if _is_root():
@@ -242,7 +397,7 @@ def make_private(path: str | os.PathLike) -> Path:
 
 
 def make_scratch(parent: str | os.PathLike | None = None) -> Path:
-    """A fresh, empty scratch directory the sandbox uid can reach (every ancestor traversable).
+    """A fresh, empty scratch directory for one run (every ancestor traversable by the sandbox uid).
 
     The default parent is ``$TMPDIR/onenode-scratch`` (0711: others may pass through, not list).
     The caller copies the starter into it and deletes it when done.
@@ -257,14 +412,6 @@ def make_scratch(parent: str | os.PathLike | None = None) -> Path:
     return Path(tempfile.mkdtemp(prefix="sub-", dir=parent))
 
 
-def _check_reachable(scratch: Path) -> None:
-    for parent in scratch.parents:
-        if not parent.stat().st_mode & stat.S_IXOTH:
-            raise SandboxError(f"scratch {scratch} cannot be reached by the sandbox user: {parent} is "
-                               f"mode {parent.stat().st_mode & 0o777:04o}; create scratch copies with "
-                               "grader.sandbox.make_scratch()")
-
-
 def _chown_tree(root: Path, uid: int, gid: int) -> None:
     os.lchown(root, uid, gid)
     for dirpath, dirnames, filenames in os.walk(root):
@@ -276,7 +423,7 @@ def sandbox_env(scratch: str | os.PathLike) -> dict[str, str]:
     """The child's whole environment, from an allow-list: caches, HOME and TMPDIR inside the scratch.
 
     PYTHONPATH points at ``<scratch>/starter_code`` when the scratch holds a starter copy, so the
-    patched ``onenode`` shadows any installed one.
+    patched ``onenode`` shadows any installed one. (bwrap adds PWD, the child's working directory.)
     """
     scratch = Path(scratch).resolve()
     cache_dir = scratch / ".cache"
@@ -304,7 +451,15 @@ def sandbox_env(scratch: str | os.PathLike) -> dict[str, str]:
     return env
 
 
-# ----------------------------------------------------------------------------- processes of a uid
+# ----------------------------------------------------------------------------- processes, from /proc
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (state, ppid, pgrp, ...), None if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
 
 
 def _live_pids(uid: int | None = None, pgid: int | None = None) -> list[int]:
@@ -316,12 +471,68 @@ def _live_pids(uid: int | None = None, pgid: int | None = None) -> list[int]:
         try:
             if pgid is None and entry.stat().st_uid != uid:
                 continue
-            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        if fields[0] not in "ZX" and (pgid is None or int(fields[2]) == pgid):
+        fields = _stat_fields(int(entry.name))
+        if fields and fields[0] not in "ZX" and (pgid is None or int(fields[2]) == pgid):
             pids.append(int(entry.name))
     return pids
+
+
+def _descendants(ancestor: int) -> dict[int, str]:
+    """Live descendants of ``ancestor`` -> their state letter, from one pass over /proc. Orphans
+    are reparented inside the sandbox's pid namespace (to its init), so none leaves this tree."""
+    children: dict[int, list[int]] = {}
+    states: dict[int, str] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))):
+            states[int(entry.name)] = fields[0]
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = {}, list(children.get(ancestor, []))
+    while todo:
+        pid = todo.pop()
+        if states[pid] not in "ZX":
+            found[pid] = states[pid]
+        todo += children.get(pid, [])
+    return found
+
+
+def _is_descendant(pid: int, ancestor: int) -> bool:
+    for _ in range(4096):  # deeper than any real tree; a loop in a racing read ends here
+        fields = _stat_fields(pid)
+        if fields is None or pid <= 1:
+            return False
+        pid = int(fields[1])
+        if pid == ancestor:
+            return True
+    return False
+
+
+def _thread_count(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except FileNotFoundError:
+        return 0
+
+
+def _bytes_sent(net_dev: str) -> int:
+    """Transmitted bytes summed over the interfaces of a /proc/<pid>/net/dev table."""
+    return sum(int(line.split(":", 1)[1].split()[8]) for line in net_dev.splitlines()[2:] if ":" in line)
+
+
+def _gpu_memory_by_pid() -> dict[int, int]:
+    """GPU memory in use per host pid (bytes), from nvidia-smi; empty where there is none."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return {}
+    out = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30, check=False).stdout
+    used: dict[int, int] = {}
+    for line in out.splitlines():
+        pid, _, mib = (part.strip() for part in line.partition(","))
+        if pid.isdigit():  # memory reads "[N/A]" under MIG: the pid still holds a context
+            used[int(pid)] = used.get(int(pid), 0) + (int(mib) * MIB if mib.isdigit() else 0)
+    return used
 
 
 def _kill_uid(uid: int) -> None:
@@ -345,35 +556,18 @@ def _kill_uid(uid: int) -> None:
     raise SandboxError(f"processes of sandbox uid {uid} survive SIGKILL: {_live_pids(uid)}")
 
 
-def _remove_files_of(uid: int) -> None:
-    """Delete what the uid left at the top of world-writable dirs, so no later run can read it."""
-    for top in {os.path.realpath(d) for d in _SHARED_TMP_DIRS if os.path.isdir(d)}:
-        for entry in os.scandir(top):
-            try:
-                if entry.stat(follow_symlinks=False).st_uid != uid:
-                    continue
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    os.unlink(entry.path)
-            except FileNotFoundError:
-                pass
-
-
 def _wait_gpu_released(pids: set[int], timeout_s: float = 15.0) -> None:
     """On CUDA machines: wait until none of ``pids`` holds a GPU context (memory freed)."""
-    smi = shutil.which("nvidia-smi")
-    if not smi or not pids:
+    if not pids or not shutil.which("nvidia-smi"):
         return
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        out = subprocess.run([smi, "--query-compute-apps=pid", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=False).stdout
-        if not pids & {int(p) for p in out.split() if p.isdigit()}:
+        if not pids & set(_gpu_memory_by_pid()):
             return
         time.sleep(0.5)
     warnings.warn(f"sandbox: GPU contexts of killed pids {sorted(pids)} still listed by nvidia-smi "
-                  f"after {timeout_s:g} s; the next submission may see less GPU memory", RuntimeWarning)
+                  f"after {timeout_s:g} s; the next submission may see less GPU memory", RuntimeWarning,
+                  stacklevel=2)
 
 
 class _UidLease:
@@ -399,17 +593,13 @@ class _UidLease:
                 os.close(fd)
                 continue
             self.uid, self._fd = uid, fd
-            self.sweep()  # whatever a crashed grader left behind
+            _kill_uid(uid)  # whatever a crashed grader left behind
             return
         raise SandboxError(f"all sandbox uids {_uid_pool().start}-{_uid_pool().stop - 1} are busy; "
                            "run fewer submissions at once or widen ONENODE_SANDBOX_UIDS")
 
-    def sweep(self) -> None:
-        _kill_uid(self.uid)
-        _remove_files_of(self.uid)
-
     def release(self) -> None:
-        self.sweep()
+        _kill_uid(self.uid)
         os.close(self._fd)
 
 
@@ -456,11 +646,14 @@ class SandboxedProcess:
 
     ``stdin``/``stdout`` are binary pipes for the harness protocol (``readline`` reads with a
     timeout and a size cap); stderr is captured (capped) and comes back in ``wait()``'s result.
-    The wall limit runs from the start, whether or not anyone is waiting.
+    The wall limit runs from the start, whether or not anyone is waiting (and while paused).
+
+    ``pid`` is bwrap's (the grader's direct child); ``pids()`` are the processes inside. The
+    evidence methods read /proc from the grader's side, so nothing the child says enters them.
     """
 
     def __init__(self, argv: Sequence[str], *, cwd: Path, scratch: Path, env: dict[str, str],
-                 limits: Limits, stdin_pipe: bool, capture_stdout: bool) -> None:
+                 limits: Limits, stdin_pipe: bool, capture_stdout: bool, readable: Sequence[Path] = ()) -> None:
         self.limits = limits
         self._lock = threading.Lock()
         self._killed_reason: str | None = None
@@ -468,28 +661,40 @@ class SandboxedProcess:
         self._wait_timeout: float | None = None
         self._buf = b""
         self._result: SandboxResult | None = None
-        root = _is_root()
-        self.network_isolated = not limits.network and _network_namespace_available()
+        self._status_fd: int | None = None
+        self._sent: dict[str, int] = {}  # network namespace -> bytes sent, the most read so far
+        self._memory: dict[int, ProcessMemory] = {}
+        self.filesystem_isolated = _require_sandbox()
+        self.network_isolated = self.filesystem_isolated and not limits.network
         _warn_about_gaps()
-        self._lease = _UidLease() if root else None
+        self._lease = _UidLease() if _is_root() else None
+        status_w = None
         try:
+            command = list(argv)
             if self._lease:
-                _check_reachable(scratch)
                 _chown_tree(scratch, self._lease.uid, self._lease.uid)
                 scratch.chmod(0o700)
+                command = _as_uid(self._lease.uid, self.filesystem_isolated) + command
+            if self.filesystem_isolated:
+                self._status_fd, status_w = os.pipe()
+                command = _bwrap_argv(scratch=scratch, cwd=cwd, readable=readable, limits=limits,
+                                      status_fd=status_w) + command
             self._start = time.monotonic()
             self._popen = subprocess.Popen(
-                list(argv), cwd=cwd, env=env, close_fds=True, start_new_session=True,
-                stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                preexec_fn=self._child_setup_fn(self._lease.uid if self._lease else None))
-        except subprocess.SubprocessError as e:  # the child's setup failed before exec
+                command, cwd=cwd, env=env, close_fds=True, pass_fds=() if status_w is None else (status_w,),
+                start_new_session=True, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=self._child_setup_fn())
+        except BaseException as e:
             self._release(scratch)
-            raise SandboxError(f"cannot start a sandboxed process here ({e}); see "
-                               "grader.sandbox.capabilities() and docs/SECURITY.md") from e
-        except BaseException:
-            self._release(scratch)
+            if self._status_fd is not None:
+                os.close(self._status_fd)
+            if isinstance(e, subprocess.SubprocessError):  # the child's setup failed before exec
+                raise SandboxError(f"cannot start a sandboxed process here ({e}); see "
+                                   "grader.sandbox.capabilities() and docs/SECURITY.md") from e
             raise
+        finally:
+            if status_w is not None:
+                os.close(status_w)
         self._scratch = scratch
         self.pid = self.pgid = self._popen.pid
         self._pids = {self.pid}  # every pid of the run seen, for the GPU check
@@ -500,10 +705,11 @@ class SandboxedProcess:
         self._watchdog = threading.Timer(limits.wall_s, self.kill, args=("wall time",))
         self._watchdog.daemon = True
         self._watchdog.start()
+        if self.filesystem_isolated:
+            self._await_sandbox()
 
-    def _child_setup_fn(self, uid: int | None):
-        limits, netns = self.limits, self.network_isolated
-        own_uid, own_gid, root = os.getuid(), os.getgid(), uid is not None
+    def _child_setup_fn(self):
+        limits, root = self.limits, self._lease is not None
         rlimits = [(resource.RLIMIT_CORE, 0)]
         if limits.cpu_s is not None:
             rlimits.append((resource.RLIMIT_CPU, (math.ceil(limits.cpu_s), math.ceil(limits.cpu_s) + 1)))
@@ -514,32 +720,41 @@ class SandboxedProcess:
         if limits.fsize_mb is not None:
             rlimits.append((resource.RLIMIT_FSIZE, limits.fsize_mb * MIB))
         if limits.nproc is not None:  # per uid: without a uid of our own, count on top of what runs
-            base = 0 if root else sum(_thread_count(pid) for pid in _live_pids(own_uid))
+            base = 0 if root else sum(_thread_count(pid) for pid in _live_pids(os.getuid()))
             rlimits.append((resource.RLIMIT_NPROC, base + limits.nproc))
-        hidden_python = _unreachable_python() if root else {}
         libc, grader_pid = _libc(), os.getpid()
 
         def setup() -> None:  # runs in the child between fork and exec: no imports, no locks
-            if hidden_python:
-                _expose_python(hidden_python)
-            if netns:
-                _enter_network_namespace(own_uid, own_gid, root)
             for which, value in rlimits:
                 resource.setrlimit(which, value if isinstance(value, tuple) else (value, value))
             if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
                 raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-            if root:
-                os.setgroups([])
-                os.setresgid(uid, uid, uid)
-                os.setresuid(uid, uid, uid)
-            # If the grader dies (even by SIGKILL), so does the child; set after the uid change,
-            # which clears it. The parent is the *thread* that spawned: see spawn_sandboxed.
+            # If the grader dies (even by SIGKILL), so does bwrap, and with it the sandbox. The
+            # parent is the *thread* that spawned: see spawn_sandboxed.
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             if os.getppid() != grader_pid:  # the grader died before the line above
                 os.kill(os.getpid(), signal.SIGKILL)
             os.umask(0o077)
 
         return setup
+
+    def _await_sandbox(self) -> None:
+        """Wait until bwrap reports the sandbox's init started (its status line); if bwrap gave
+        up before that, clean up and raise with its last words."""
+        line, deadline = b"", time.monotonic() + 60
+        while b"\n" not in line and select.select([self._status_fd], [], [], max(deadline - time.monotonic(), 0))[0]:
+            chunk = os.read(self._status_fd, 4096)
+            if not chunk:
+                break
+            line += chunk
+        try:
+            if "child-pid" in json.loads(line.partition(b"\n")[0] or b"{}"):
+                return
+        except ValueError:
+            pass
+        result = self.wait(timeout=5)
+        said = (result.stderr.decode(errors="replace").strip().splitlines() or [result.reason])[-1]
+        raise SandboxError(f"bubblewrap could not start the sandbox: {said}")
 
     # -- harness side
 
@@ -566,8 +781,122 @@ class SandboxedProcess:
         line, _, self._buf = self._buf.partition(b"\n")
         return line + b"\n"
 
+    # -- evidence, read from outside the child
+
+    def pids(self) -> list[int]:
+        """Host pids of the live processes inside the sandbox (its init included), from /proc:
+        every descendant of bwrap, or without the sandbox, of the leader (as root: every process
+        of the leased uid). Empty once the run has ended."""
+        with self._lock:
+            return sorted(self._live())
+
+    def _live(self) -> dict[int, str]:
+        """pid -> state letter of the sandbox's live processes; call with the lock held."""
+        if self._reaped:
+            return {}
+        if self.filesystem_isolated:
+            found = _descendants(self.pid)
+        elif self._lease:
+            found = {pid: fields[0] for pid in _live_pids(self._lease.uid) if (fields := _stat_fields(pid))}
+        else:
+            found = _descendants(self.pid)
+            if (fields := _stat_fields(self.pid)) and fields[0] not in "ZX":
+                found[self.pid] = fields[0]
+        self._pids.update(found)
+        return found
+
+    def _signal(self, pid: int, sig: int) -> None:
+        """Signal ``pid`` only if it is still the sandbox's: the pidfd pins the process, then its
+        membership is checked again, so a pid reused by another process is never signalled."""
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        try:
+            if self._lease and not self.filesystem_isolated:
+                member = os.stat(f"/proc/{pid}").st_uid == self._lease.uid
+            else:
+                member = pid == self.pid or _is_descendant(pid, self.pid)
+            if member:
+                signal.pidfd_send_signal(fd, sig)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+        finally:
+            os.close(fd)
+
+    def network_bytes(self) -> int | None:
+        """Bytes sent over the sandbox's network: the transmit counters of every network namespace
+        its live processes are in (its loopback; a byte sent there is received once more, not
+        counted twice), read from /proc/<pid>/net/dev. Counters only grow: the most read so far
+        per namespace is kept, so the total stays after the processes of a namespace end; read
+        it while the child runs (the counters go with the namespace). None where the child
+        shares the machine's network (``Limits.network`` or no sandbox): those are the machine's."""
+        if not self.network_isolated:
+            return None
+        with self._lock:
+            self._read_network()
+            return sum(self._sent.values())
+
+    def _read_network(self) -> None:
+        read: set[str] = set()
+        for pid in self._live():
+            try:
+                namespace = os.readlink(f"/proc/{pid}/ns/net")
+                if namespace in read:
+                    continue
+                sent = _bytes_sent(Path(f"/proc/{pid}/net/dev").read_text())
+                if os.readlink(f"/proc/{pid}/ns/net") != namespace:  # the pid went and came back
+                    continue
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            read.add(namespace)
+            self._sent[namespace] = max(self._sent.get(namespace, 0), sent)
+
+    def peak_memory_bytes(self) -> dict[int, ProcessMemory]:
+        """host pid -> the most memory seen for each sandboxed process: peak resident set (VmHWM
+        of /proc/<pid>/status) and, where nvidia-smi exists, the most GPU memory it listed for the
+        pid. Processes that ended keep their last reading; one that started and ended between two
+        calls is not seen."""
+        on_gpu = _gpu_memory_by_pid() if shutil.which("nvidia-smi") else None  # slow: outside the lock
+        with self._lock:
+            self._read_memory(on_gpu)
+            return dict(self._memory)
+
+    def _read_memory(self, on_gpu: dict[int, int] | None) -> None:
+        for pid in self._live():
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            hwm = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+            seen = self._memory.get(pid, ProcessMemory(0, None))
+            gpu = seen.gpu if on_gpu is None else max(seen.gpu or 0, on_gpu.get(pid, 0))
+            self._memory[pid] = ProcessMemory(max(seen.rss, hwm), gpu)
+
+    def pause(self, timeout_s: float = 5.0) -> None:
+        """Freeze every process of the sandbox (SIGSTOP) so the grader can time another child
+        alone. Passes over /proc until all are stopped at once: a process forked, or resumed by a
+        sibling, while the first pass ran is caught by the next. SandboxError after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while running := [pid for pid, state in self._live().items() if state not in "tT"]:
+                if time.monotonic() > deadline:
+                    raise SandboxError(f"could not freeze the sandbox within {timeout_s:g} s: {running} still run")
+                for pid in running:
+                    self._signal(pid, signal.SIGSTOP)
+                time.sleep(0.002)
+
+    def resume(self) -> None:
+        """Let every process of the sandbox run again (SIGCONT)."""
+        with self._lock:
+            for pid in self._live():
+                self._signal(pid, signal.SIGCONT)
+
+    # -- the end
+
     def kill(self, reason: str = "grader") -> None:
-        """Kill the whole tree now: the session's process group, then every process of the uid."""
+        """Kill the whole tree now: the sandbox's pid namespace (its init), the session's process
+        group, and as root every process of the uid."""
         with self._lock:
             if self._reaped:
                 return
@@ -579,19 +908,22 @@ class SandboxedProcess:
         return bool(select.select([self._pidfd], [], [], 0)[0])
 
     def _kill_tree(self) -> None:
-        if self._lease:
-            self._pids.update(_live_pids(self._lease.uid))
+        if self.network_isolated:  # the last counters, before the namespace goes
+            self._read_network()
+        self._read_memory(on_gpu=None)
+        for _ in range(100):  # SIGKILL lands asynchronously: wait until the tree is really gone
+            live = self._live()
+            if not live:
+                break
+            for pid in live:  # inside bwrap, killing its init takes the whole pid namespace along
+                self._signal(pid, signal.SIGKILL)
+            time.sleep(0.01)
         try:
             os.killpg(self.pgid, signal.SIGKILL)  # the leader is not reaped yet: the pgid is still ours
         except ProcessLookupError:
             pass
         if self._lease:
             _kill_uid(self._lease.uid)
-            return
-        for _ in range(100):  # SIGKILL lands asynchronously: wait until the group is really gone
-            if not _live_pids(pgid=self.pgid):
-                return
-            time.sleep(0.01)
 
     def wait(self, timeout: float | None = None) -> SandboxResult:
         """Wait for the end (at most ``timeout`` s, then kill), clean up, and say how it went."""
@@ -603,12 +935,15 @@ class SandboxedProcess:
         if not select.select([self._pidfd], [], [], max(left, 0))[0]:
             self.kill("wall time" if self._wait_timeout is None else "wait timeout")
         select.select([self._pidfd], [], [])
-        with self._lock:  # grandchildren outlive the leader: kill its group before reaping it
+        with self._lock:  # grandchildren outlive the leader: kill them before reaping it
             self._watchdog.cancel()
             self._kill_tree()
             _, status, usage = os.wait4(self.pid, 0)
             self._reaped = True
-        self._popen.returncode = os.waitstatus_to_exitcode(status)
+        returncode = os.waitstatus_to_exitcode(status)
+        if self.filesystem_isolated and returncode - 128 in _SIGNALS:  # bwrap reports death by signal N as 128+N
+            returncode = 128 - returncode
+        self._popen.returncode = returncode
         return self._finish(usage.ru_utime + usage.ru_stime)
 
     def _finish(self, cpu_used: float) -> SandboxResult:
@@ -616,6 +951,8 @@ class SandboxedProcess:
         stderr = self._stderr.collect()
         stdout = self._stdout.collect() if self._stdout else b""
         os.close(self._pidfd)
+        if self._status_fd is not None:
+            os.close(self._status_fd)
         if self.stdin:
             _close_quietly(self.stdin)
         self._release(self._scratch)
@@ -630,14 +967,12 @@ class SandboxedProcess:
             returncode=self._popen.returncode, stdout=stdout, stderr=stderr, wall_s=wall,
             timed_out=killed in ("wall time", "wait timeout"), killed_reason=killed,
             stdout_truncated="stdout" in truncated, stderr_truncated="stderr" in truncated,
-            network_isolated=self.network_isolated, reason=reason)
+            network_isolated=self.network_isolated, reason=reason, filesystem_isolated=self.filesystem_isolated)
         _wait_gpu_released(self._pids)
         return self._result
 
     def _release(self, scratch: Path) -> None:
-        """Hand the scratch back to root (the uid may serve another submission next), then sweep
-        the uid's files elsewhere and free it. In that order: a scratch made at the top of /tmp
-        would otherwise be swept as the uid's leftovers."""
+        """Hand the scratch back to root (the uid may serve another submission next) and free the uid."""
         if self._lease:
             _kill_uid(self._lease.uid)  # nothing may still write into the scratch
             os.chown(scratch, 0, 0)
@@ -660,13 +995,6 @@ def _close_quietly(pipe) -> None:
         pipe.close()
     except (OSError, ValueError):
         pass  # the child is gone, or another thread closed it first: nothing left to flush to
-
-
-def _thread_count(pid: int) -> int:
-    try:
-        return len(os.listdir(f"/proc/{pid}/task"))
-    except FileNotFoundError:
-        return 0
 
 
 def _explain(rc: int, killed: str | None, stderr: bytes, cpu_used: float, limits: Limits,
@@ -693,33 +1021,44 @@ def _explain(rc: int, killed: str | None, stderr: bytes, cpu_used: float, limits
 # ----------------------------------------------------------------------------- entry points
 
 
-def _open(argv, cwd, env, limits, scratch, *, stdin_pipe: bool, capture_stdout: bool) -> SandboxedProcess:
+def _open(argv, cwd, env, limits, scratch, readable, *, stdin_pipe: bool, capture_stdout: bool) -> SandboxedProcess:
     cwd = Path(cwd).resolve()
     scratch = Path(scratch).resolve() if scratch else cwd
     if not scratch.is_dir():
         raise SandboxError(f"scratch directory {scratch} does not exist; create it with make_scratch()")
+    if not cwd.is_relative_to(scratch):
+        raise SandboxError(f"cwd {cwd} is outside the scratch copy {scratch}: the child sees only the scratch")
+    readable = [Path(os.path.realpath(p)) for p in readable]
+    for path in readable:
+        if not path.exists():
+            raise SandboxError(f"readable path {path} does not exist")
     for sub in ("home", "tmp"):
         (scratch / sub).mkdir(exist_ok=True)
     return SandboxedProcess(argv, cwd=cwd, scratch=scratch, env={**sandbox_env(scratch), **(env or {})},
-                            limits=limits, stdin_pipe=stdin_pipe, capture_stdout=capture_stdout)
+                            limits=limits, stdin_pipe=stdin_pipe, capture_stdout=capture_stdout, readable=readable)
 
 
 def spawn_sandboxed(argv: Sequence[str], *, cwd: str | os.PathLike, env: Mapping[str, str] | None = None,
-                    limits: Limits = Limits(), scratch: str | os.PathLike | None = None) -> SandboxedProcess:
+                    limits: Limits = Limits(), scratch: str | os.PathLike | None = None,
+                    readable: Sequence[str | os.PathLike] = ()) -> SandboxedProcess:
     """Start ``argv`` sandboxed with stdin/stdout pipes (the interactive form for the harness).
 
-    ``scratch`` (default: ``cwd``) is the only place the child may write; ``env`` adds variables
-    on top of ``sandbox_env(scratch)`` (never pass ``os.environ``). The child is killed when the
-    thread that spawned it ends, so spawn from a thread that lives as long as the process.
+    ``scratch`` (default: ``cwd``, which must lie inside it) is the only host directory the child
+    sees writable; ``readable`` adds host paths it may read (bound read-only, e.g. a model cache:
+    never the kit, solutions or submissions). ``env`` adds variables on top of
+    ``sandbox_env(scratch)`` (never pass ``os.environ``). The child is killed when the thread that
+    spawned it ends, so spawn from a thread that lives as long as the process.
     """
-    return _open(argv, cwd, env, limits, scratch, stdin_pipe=True, capture_stdout=False)
+    return _open(argv, cwd, env, limits, scratch, readable, stdin_pipe=True, capture_stdout=False)
 
 
 def run_sandboxed(argv: Sequence[str], *, cwd: str | os.PathLike, env: Mapping[str, str] | None = None,
                   limits: Limits = Limits(), stdin: bytes | None = None,
-                  scratch: str | os.PathLike | None = None) -> SandboxResult:
+                  scratch: str | os.PathLike | None = None,
+                  readable: Sequence[str | os.PathLike] = ()) -> SandboxResult:
     """Run ``argv`` sandboxed to completion (or its limits) and return capped output and the verdict."""
-    with _open(argv, cwd, env, limits, scratch, stdin_pipe=stdin is not None, capture_stdout=True) as proc:
+    with _open(argv, cwd, env, limits, scratch, readable, stdin_pipe=stdin is not None,
+               capture_stdout=True) as proc:
         if stdin is not None:
             threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
         return proc.wait()

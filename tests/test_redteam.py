@@ -4,12 +4,18 @@ grader (intake, patching, the sandboxed harness, scoring), each with its expecte
 The cases that run code share one grading job on a cut-down cpu-tiny profile (Part 1 only), so
 the starter's reference runs once; they start torch several times, so they are marked slow. The
 last test grades the unchanged starter after all of them: it must still match the reference,
-and the grader's own files must hold none of the hostile payloads. The sandbox's own limits
-(infinite loop, fork bomb, memory, network, daemons, ...) are tested in tests/test_sandbox.py.
+and the grader's own files must hold none of the hostile payloads. A cohort folder as a TA would
+leave it (world-readable, another group's submission and notebook, solutions, hidden tests) is
+planted on the machine for the module: no word of it may reach anything a graded case leaves
+behind. The sandbox's own limits (infinite loop, fork bomb, memory, network, daemons, ...) are
+tested in tests/test_sandbox.py.
 """
 
 import dataclasses
 import re
+import shutil
+import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -30,6 +36,37 @@ def assert_kit_intact() -> None:
     for path, payload in PAYLOADS.items():
         assert payload not in (KIT / path).read_text(), f"{path} was changed by a submission"
     assert (KIT / "grader/cli.py").read_text() != (KIT / STARTER / "cli.py").read_text()
+
+
+@pytest.fixture(scope="module")
+def planted_cohort():
+    """World-readable course material elsewhere on the machine, each file holding a word of its
+    own; returns those words. What a case leaves behind (results, feedback, logs) must hold none."""
+    root = Path(tempfile.mkdtemp(prefix="onenode-redteam-cohort-"))
+    root.chmod(0o755)
+    words = []
+    for path in ("group-b/submission.patch", "group-b/report.ipynb", "solutions/a1/submission.patch",
+                 "assignments/source/a1/report.ipynb"):
+        word = f"SENTINEL-{uuid.uuid4().hex}"
+        (root / path).parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        (root / path).write_text(f"{word}\n")
+        (root / path).chmod(0o644)
+        words.append(word)
+    yield words
+    shutil.rmtree(root)
+
+
+# What a reading case says when it did read something (its source, which may be kept, does not).
+LEAK_REPORT = re.compile(r"LEAKED (/|\d+ files|the reference solution from /)")
+
+
+def assert_nothing_leaked(out: Path, words: list[str]) -> None:
+    """No planted word and no leak report of a case's payload in anything the grading left."""
+    for path in (p for p in out.rglob("*") if p.is_file()):
+        text = path.read_text(errors="replace")
+        assert not LEAK_REPORT.search(text), f"{LEAK_REPORT.search(text)[0]} in {path}"
+        for word in words:
+            assert word not in text, f"{word} in {path}"
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +103,7 @@ def _marks(case: Case) -> list:
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=_marks(c)) for c in CASES])
-def test_adversarial_submission(case: Case, job, tmp_path):
+def test_adversarial_submission(case: Case, job, planted_cohort, tmp_path):
     (tmp_path / "in").mkdir()
     results = _grade(case.build(KIT, tmp_path / "in"), job, tmp_path / "out")
 
@@ -81,6 +118,7 @@ def test_adversarial_submission(case: Case, job, tmp_path):
         assert score == 0
         assert re.search(case.reason, feedback, re.MULTILINE), feedback
     assert_kit_intact()
+    assert_nothing_leaked(tmp_path / "out", planted_cohort)
     for name in PLANTED:
         assert not list(tmp_path.rglob(name)) and not list(job.workdir.rglob(name)), name
 

@@ -1,9 +1,11 @@
 """The sandbox against hostile snippets: each test runs a few lines of Python through run_sandboxed
 or spawn_sandboxed and checks the limit held and the grader's side (files, processes) is intact.
 
-CI runs as root, where every guarantee of docs/SECURITY.md holds; the tests that need a uid of the
-sandbox's own are skipped elsewhere with the reason (the fork bomb never runs without RLIMIT_NPROC
-on a dedicated uid).
+CI runs as root with bubblewrap installed (`make system-deps`), where every guarantee of
+docs/SECURITY.md holds; the tests that need a uid of the sandbox's own, or bubblewrap, are skipped
+elsewhere with the reason (the fork bomb never runs without RLIMIT_NPROC on a dedicated uid).
+Processes inside the sandbox have pids of its own pid namespace: the tests take host pids from the
+grader's side, `SandboxedProcess.pids()`.
 """
 
 import json
@@ -19,10 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from grader import sandbox
 from grader.sandbox import (
+    UNSAFE_ENV,
     Limits,
     SandboxError,
     _live_pids,
+    capabilities,
     make_private,
     make_scratch,
     run_sandboxed,
@@ -30,8 +35,12 @@ from grader.sandbox import (
     spawn_sandboxed,
 )
 
+KIT = Path(__file__).resolve().parents[1]
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: uid isolation (see docs/SECURITY.md)")
+SANDBOXED = pytest.mark.skipif(not capabilities()["filesystem_isolated"],
+                               reason=f"no sandbox here: {capabilities()['sandbox_problem']}")
 FAST = Limits(wall_s=20, cpu_s=20, memory_mb=512, nproc=64, output_kb=64)
+TORCH = Limits(wall_s=120, cpu_s=120, memory_mb=None, nproc=256, output_kb=64)
 
 
 @pytest.fixture
@@ -47,11 +56,27 @@ def py(code: str, scratch: Path, limits: Limits = FAST, **kw):
                          limits=limits, **kw)
 
 
-def alive(pid: int) -> bool:
+def stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name (state, ppid, ...); empty once the process is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except FileNotFoundError:
-        return False
+        return []
+
+
+def alive(pid: int) -> bool:
+    fields = stat_fields(pid)
+    return bool(fields) and fields[0] not in "ZX"
+
+
+def cpu_ticks(pids: list[int]) -> int:
+    """utime + stime of ``pids``, in clock ticks, as the kernel counts them."""
+    return sum(int(f[11]) + int(f[12]) for f in map(stat_fields, pids) if f)
+
+
+def spawn_py(code: str, scratch: Path, limits: Limits = FAST, **kw):
+    return spawn_sandboxed([sys.executable, "-I", "-S", "-u", "-c", textwrap.dedent(code)], cwd=scratch,
+                           limits=limits, **kw)
 
 
 # --------------------------------------------------------------------------- normal runs
@@ -70,7 +95,8 @@ def test_environment_is_allow_listed_and_home_is_in_scratch(scratch, monkeypatch
     (scratch / "starter_code").mkdir()
     res = py("import json, os; print(json.dumps(dict(os.environ)))", scratch)
     env = json.loads(res.stdout)
-    assert "ONENODE_GRADER_SECRET" not in env and set(env) == set(sandbox_env(scratch))
+    assert "ONENODE_GRADER_SECRET" not in env and set(env) - {"PWD"} == set(sandbox_env(scratch))
+    assert env.get("PWD", str(scratch.resolve())) == str(scratch.resolve())  # bwrap names the cwd
     for key in ("HOME", "TMPDIR", "XDG_CACHE_HOME", "HF_HOME", "PYTHONPATH"):
         assert Path(env[key]).is_relative_to(scratch.resolve()), key
     assert env["PYTHONPATH"] == str(scratch.resolve() / "starter_code")
@@ -81,11 +107,12 @@ def test_runs_as_unprivileged_uid_without_new_privileges(scratch):
     res = py("""
         import os
         print(os.getuid(), os.getgid(), os.getgroups())
-        print([l for l in open('/proc/self/status') if l.startswith('NoNewPrivs')][0].split()[1])
+        status = dict(l.split(':', 1) for l in open('/proc/self/status'))
+        print(status['NoNewPrivs'].strip(), *(int(status[c], 16) for c in ('CapPrm', 'CapEff', 'CapBnd', 'CapAmb')))
     """, scratch)
-    ids, no_new_privs = res.stdout.decode().splitlines()
+    ids, privileges = res.stdout.decode().splitlines()
     uid = int(ids.split()[0])
-    assert uid != 0 and ids == f"{uid} {uid} []" and no_new_privs == "1"
+    assert uid != 0 and ids == f"{uid} {uid} []" and privileges == "1 0 0 0 0"
 
 
 # --------------------------------------------------------------------------- limits
@@ -180,12 +207,22 @@ def test_fork_bomb_is_contained_and_swept(scratch):
 # --------------------------------------------------------------------------- processes that outlive
 
 
+def host_pid(namespace_pid: int, among: list[int]) -> int:
+    """The host pid of the process that is ``namespace_pid`` inside the sandbox (NSpid's last field)."""
+    for pid in among:
+        nspids = [line.split()[1:] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                  if line.startswith("NSpid:")][0]
+        if int(nspids[-1]) == namespace_pid:
+            return pid
+    raise AssertionError(f"no process {namespace_pid} in the sandbox: {among}")
+
+
 @pytest.mark.parametrize("leave_session", [False, True], ids=["same-session", "setsid-daemon"])
 def test_grandchildren_die_with_the_run(scratch, leave_session):
-    if leave_session and os.geteuid() != 0:
-        pytest.skip("needs root: a daemon that leaves the session is found by its uid")
-    res = py(f"""
-        import os, time
+    if leave_session and os.geteuid() != 0 and not capabilities()["pid_namespace"]:
+        pytest.skip("needs root or bubblewrap: a daemon that leaves the session is found by its uid or pid namespace")
+    code = f"""
+        import os, sys, time
         if os.fork() == 0:
             if {leave_session}:
                 os.setsid()
@@ -197,29 +234,38 @@ def test_grandchildren_die_with_the_run(scratch, leave_session):
             os._exit(0)
         while not os.path.exists("daemon.pid"):
             time.sleep(0.01)
-    """, scratch)
-    daemon = int((scratch / "daemon.pid").read_text())
-    assert res.ok and not alive(daemon)
+        print("daemon started", flush=True)
+        sys.stdin.read()
+    """
+    with spawn_py(code, scratch) as proc:
+        assert proc.readline(timeout=10) == b"daemon started\n"
+        daemon = host_pid(int((scratch / "daemon.pid").read_text()), proc.pids())
+        assert alive(daemon)
+        proc.stdin.close()
+        res = proc.wait(10)
+    assert res.ok and not alive(daemon) and proc.pids() == []
 
 
 def test_children_die_with_a_killed_grader(scratch):
     """A grader killed by SIGKILL cannot clean up: the kernel kills its sandboxed child instead."""
     grader = textwrap.dedent(f"""
-        import os, signal, sys
+        import json, os, signal, sys
         from grader.sandbox import Limits, spawn_sandboxed
-        proc = spawn_sandboxed([sys.executable, "-I", "-S", "-c", "import time; time.sleep(60)"],
+        proc = spawn_sandboxed([sys.executable, "-I", "-S", "-u", "-c", "import time; print(1); time.sleep(60)"],
                                cwd={str(scratch)!r}, limits=Limits(wall_s=60))
-        print(proc.pid, flush=True)
+        proc.readline(timeout=30)
+        print(json.dumps([proc.pid] + proc.pids()), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     out = subprocess.run([sys.executable, "-c", grader], capture_output=True, text=True, timeout=60,
-                         cwd=Path(__file__).resolve().parents[1])
-    child = int(out.stdout)
+                         cwd=KIT)
+    children = json.loads(out.stdout)
+    assert len(children) >= 2, out.stderr
     for _ in range(200):
-        if not alive(child):
+        if not any(map(alive, children)):
             break
         time.sleep(0.025)
-    assert not alive(child)
+    assert not any(map(alive, children))
 
 
 def test_interactive_process_pipes_timeout_and_kill(scratch):
@@ -281,8 +327,9 @@ def test_network_is_cut_but_private_loopback_works(scratch):
 # --------------------------------------------------------------------------- files
 
 
-@ROOT_ONLY
+@SANDBOXED
 def test_private_dirs_other_files_and_tmp_leftovers(scratch):
+    """Outside its scratch copy the child finds nothing of the kit, private or world-readable."""
     kit = make_scratch()
     kit.chmod(0o755)  # like the kit checkout: readable by all, writable by root
     private = make_private(kit / "solutions")
@@ -294,39 +341,106 @@ def test_private_dirs_other_files_and_tmp_leftovers(scratch):
     res = py(f"""
         for what, action in [("read-private", lambda: open({str(private / 'answer.patch')!r}).read()),
                              ("list-private", lambda: __import__('os').listdir({str(private)!r})),
+                             ("read-grader", lambda: open({str(grader_file)!r}).read()),
                              ("write-grader", lambda: open({str(grader_file)!r}, 'a').write('points: 99'))]:
             try:
                 action()
                 print(what, "allowed")
-            except PermissionError:
-                print(what, "denied")
+            except OSError as err:
+                print(what, type(err).__name__)
         open({str(leftover)!r}, 'w').write('for the next submission')
     """, scratch)
     try:
-        assert res.stdout.decode().split() == ["read-private", "denied", "list-private", "denied",
-                                               "write-grader", "denied"]
+        assert res.stdout.decode().split() == ["read-private", "FileNotFoundError", "list-private",
+                                               "FileNotFoundError", "read-grader", "FileNotFoundError",
+                                               "write-grader", "FileNotFoundError"]
         assert grader_file.read_text() == "points: 10\n"
-        assert not leftover.exists()  # what the uid left in /tmp is gone before the next run
+        assert res.ok and not leftover.exists()  # /tmp is the sandbox's own: nothing lands in the host's
     finally:
         shutil.rmtree(kit)
 
 
-@ROOT_ONLY
+@SANDBOXED
 def test_one_submission_cannot_read_another_scratch(scratch):
     first = py("open('notes.txt', 'w').write('group A secret'); import os; print(os.getuid())", scratch)
     other = make_scratch()
     try:
         second = py(f"""
-            try:
-                print(open({str(scratch / 'notes.txt')!r}).read())
-            except PermissionError:
-                print("denied")
+            import os
+            mine = [os.path.basename(os.getcwd())]
+            print(os.path.exists({str(scratch)!r}), os.listdir({str(scratch.parent)!r}) == mine)
         """, other)
     finally:
         shutil.rmtree(other)
-    assert first.ok and second.stdout == b"denied\n"
-    info = scratch.stat()
-    assert (info.st_uid, info.st_mode & 0o777) == (0, 0o700)  # handed back to the grader
+    assert first.ok and second.stdout == b"False True\n"  # not even the other scratch's name
+    if os.geteuid() == 0:
+        info = scratch.stat()
+        assert (info.st_uid, info.st_mode & 0o777) == (0, 0o700)  # handed back to the grader
+
+
+@SANDBOXED
+def test_only_the_scratch_and_the_python_install_are_visible(scratch):
+    """The red team's walk over the file system (issue 17), as a unit: a world-readable folder
+    elsewhere, the kit this test runs from, the checkout the venv lives in and the source its
+    editable install points to are all absent; only the scratch copy is writable."""
+    cohort = Path(tempfile.mkdtemp(prefix="onenode-cohort-"))
+    try:
+        cohort.chmod(0o755)
+        (cohort / "other-group").mkdir(mode=0o755)
+        (cohort / "other-group" / "submission.patch").write_text("other group's work")
+        (cohort / "other-group" / "submission.patch").chmod(0o644)
+        prefixes = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)})
+        res = py(f"""
+            import os, json
+            allowed = ("/usr/", "/etc/", {str(scratch) + "/"!r}, *{[p + "/" for p in prefixes]!r})
+            stray = []
+            for top, dirs, files in os.walk("/"):
+                dirs[:] = [d for d in dirs if os.path.join(top, d) not in ("/proc", "/sys", "/dev", "/usr")]
+                stray += [os.path.join(top, f) for f in files if not os.path.join(top, f).startswith(allowed)]
+            gone = {{p: os.path.exists(p) for p in {[str(cohort), str(KIT), str(KIT / "solutions"),
+                                                      str(Path(sys.prefix).parent / "solutions"),
+                                                      str(KIT / "starter_code" / "onenode")]!r}}}
+            writable = {{p: os.access(p, os.W_OK) for p in [os.getcwd(), {prefixes[0]!r}, "/usr/bin"]}}
+            print(json.dumps([stray, gone, writable]))
+        """, scratch, Limits(wall_s=60, cpu_s=60, memory_mb=512, output_kb=256))
+    finally:
+        shutil.rmtree(cohort)
+    stray, gone, writable = json.loads(res.stdout)
+    assert stray == [] and not any(gone.values()), (stray, gone)
+    assert writable == {str(scratch): True, prefixes[0]: False, "/usr/bin": False}
+
+
+@SANDBOXED
+def test_scratch_below_a_private_dir_runs_and_its_neighbours_stay_hidden(tmp_path):
+    hidden = tmp_path / "private" / "scratch"
+    hidden.mkdir(parents=True)
+    hidden.parent.chmod(0o700)
+    (hidden.parent / "neighbour.txt").write_text("not yours")
+    res = py("import os; print(os.listdir('..'))", hidden)
+    assert res.ok and res.stdout == b"['scratch']\n"
+
+
+@SANDBOXED
+def test_readable_paths_are_seen_read_only(scratch, tmp_path):
+    cache = tmp_path / "hf-cache"
+    cache.mkdir(mode=0o777)
+    (cache / "model.txt").write_text("weights")
+    (cache / "model.txt").chmod(0o666)  # writable by all: only the read-only mount stops the child
+    res = py(f"""
+        print(open({str(cache / 'model.txt')!r}).read())
+        try:
+            open({str(cache / 'model.txt')!r}, 'a').write('poisoned')
+        except OSError as err:
+            print(type(err).__name__, err.errno)
+    """, scratch, readable=[cache])
+    assert res.stdout.decode().split() == ["weights", "OSError", "30"]  # EROFS
+    with pytest.raises(SandboxError, match="does not exist"):
+        py("pass", scratch, readable=[tmp_path / "missing"])
+
+
+def test_cwd_outside_the_scratch_is_refused(scratch, tmp_path):
+    with pytest.raises(SandboxError, match="outside the scratch"):
+        run_sandboxed(["true"], cwd=tmp_path, scratch=scratch, limits=FAST)
 
 
 @ROOT_ONLY
@@ -345,25 +459,158 @@ def test_concurrent_runs_get_distinct_uids(scratch):
     assert len(uids) == 2
 
 
-@ROOT_ONLY
-def test_unreachable_scratch_is_refused_with_a_hint(tmp_path):
-    hidden = tmp_path / "private" / "scratch"
-    hidden.mkdir(parents=True)
-    hidden.parent.chmod(0o700)
-    with pytest.raises(SandboxError, match="make_scratch"):
-        run_sandboxed(["true"], cwd=hidden, limits=FAST)
-
-
 def test_stdin_flood_into_a_process_that_does_not_read(scratch):
     res = py("import time; time.sleep(0.2)", scratch, stdin=bytes(8 << 20))
     assert res.ok  # the grader's writer gives up quietly instead of hanging
 
 
-@ROOT_ONLY
-def test_scratch_at_the_top_of_tmp_survives_the_leftover_sweep():
+def test_scratch_at_the_top_of_tmp_is_the_real_one():
+    """The sandbox's /tmp is its own: a scratch copy made there is bound over it, so writes land."""
     scratch = Path(tempfile.mkdtemp(prefix="onenode-top-"))
     try:
         assert py("open('kept.txt', 'w').write('result')", scratch).ok
         assert (scratch / "kept.txt").read_text() == "result"
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- without bubblewrap
+
+
+@pytest.fixture
+def no_bubblewrap(monkeypatch):
+    """This machine as if bubblewrap were not installed (the probe is cached: redone on both sides)."""
+    monkeypatch.setattr(sandbox, "BWRAP", "onenode-no-such-bwrap")
+    monkeypatch.delenv(UNSAFE_ENV, raising=False)
+    for probe in (sandbox._sandbox_problem, sandbox._warn_about_gaps):
+        probe.cache_clear()
+    yield
+    for probe in (sandbox._sandbox_problem, sandbox._warn_about_gaps):
+        probe.cache_clear()
+
+
+def test_without_bubblewrap_submissions_do_not_run(scratch, no_bubblewrap):
+    with pytest.raises(SandboxError) as refused:
+        py("open('ran', 'w').write('yes')", scratch)
+    assert "apt-get install bubblewrap" in str(refused.value) and "\n" not in str(refused.value)
+    assert UNSAFE_ENV in str(refused.value) and not (scratch / "ran").exists()
+    assert capabilities()["filesystem_isolated"] is False
+
+
+def test_the_unsafe_escape_hatch_runs_unsandboxed_and_says_so(scratch, no_bubblewrap, monkeypatch):
+    monkeypatch.setenv(UNSAFE_ENV, "1")
+    with pytest.warns(RuntimeWarning, match="WITHOUT a sandbox"):
+        res = py("import os; print(os.path.isdir('/proc/1'), os.getuid())", scratch)
+    assert res.ok and not res.filesystem_isolated and not res.network_isolated
+    assert res.stdout.split()[0] == b"True"  # the host's processes are in sight: no pid namespace
+    if os.geteuid() == 0:
+        assert int(res.stdout.split()[1]) != 0  # the leased uid still holds
+
+
+# --------------------------------------------------------------------------- evidence from outside
+
+
+def test_death_by_signal_reads_as_such(scratch):
+    res = py("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", scratch)
+    assert (res.returncode, res.killed_reason, res.reason) == (-11, "signal", "killed by SIGSEGV")
+
+
+def test_pause_freezes_every_process_and_resume_lets_them_run(scratch):
+    """A frozen child uses no CPU (so the grader can time another one alone), forked ones included."""
+    code = """
+        import os
+        if os.fork():  # two busy processes
+            print("spinning", flush=True)
+        while True:
+            pass
+    """
+    with spawn_py(code, scratch, Limits(wall_s=30, cpu_s=30)) as proc:
+        assert proc.readline(timeout=10) == b"spinning\n"
+        time.sleep(0.2)
+        busy = [pid for pid in proc.pids() if stat_fields(pid)[0] == "R"] or proc.pids()
+        proc.pause()
+        assert all(stat_fields(pid)[0] in "tT" for pid in proc.pids())
+        frozen = cpu_ticks(busy)
+        time.sleep(0.5)
+        assert cpu_ticks(busy) == frozen
+        proc.resume()
+        time.sleep(0.5)
+        assert cpu_ticks(busy) > frozen
+    assert len(busy) >= 2
+
+
+def test_peak_memory_is_read_from_proc(scratch):
+    code = """
+        import sys
+        block = b"x" * (200 << 20)
+        del block
+        print("freed", flush=True)
+        sys.stdin.read()
+    """
+    with spawn_py(code, scratch) as proc:
+        assert proc.readline(timeout=10) == b"freed\n"
+        peaks = proc.peak_memory_bytes()
+        proc.stdin.close()
+        assert proc.wait(10).ok
+    assert set(peaks) <= set(proc._pids) and max(m.rss for m in peaks.values()) >= 200 << 20
+    on_gpu = shutil.which("nvidia-smi") is not None
+    assert all((m.gpu is not None) == on_gpu for m in peaks.values())
+
+
+GLOO = """
+import os, sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def rank(r: int) -> None:
+    dist.init_process_group("gloo", init_method="file://" + os.path.abspath("store"), rank=r, world_size=2)
+    tensor = torch.ones(int(sys.argv[1]))
+    dist.all_reduce(tensor)
+    assert tensor[0].item() == 2
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(rank, nprocs=2)
+    print("reduced", flush=True)
+    sys.stdin.read()
+"""
+
+
+@SANDBOXED
+def test_network_bytes_count_gloo_traffic_inside_and_nothing_else(scratch):
+    """Two gloo ranks all-reduce 4 MiB over the sandbox's loopback: the grader's counter, read
+    from /proc, grows by at least that much; a child that does nothing moves nothing."""
+    (scratch / "gloo.py").write_text(GLOO)
+    numel = 1 << 20
+    with spawn_sandboxed([sys.executable, "gloo.py", str(numel)], cwd=scratch, limits=TORCH,
+                         env={"GLOO_SOCKET_IFNAME": "lo"}) as proc:
+        assert proc.network_bytes() == 0
+        assert proc.readline(timeout=110) == b"reduced\n", proc.wait(1).stderr[-2000:]
+        moved = proc.network_bytes()
+        proc.stdin.close()
+        assert proc.wait(10).ok
+    assert moved >= 4 * numel
+    with spawn_py("import sys; print('idle', flush=True); sys.stdin.read()", scratch) as idle:
+        idle.readline(timeout=10)
+        time.sleep(0.3)
+        assert idle.network_bytes() < 1024
+    with spawn_py("print(1)", scratch, Limits(wall_s=20, network=True)) as shared:
+        assert shared.network_bytes() is None  # the machine's counters are not the child's
+
+
+def test_gpu_devices_are_bound_only_on_gpu_machines(monkeypatch):
+    """What a GPU machine adds to the child's /dev and /sys (no GPU here: the arguments only)."""
+    tree = sandbox._Tree()
+    tree.devices_and_temp(None)
+    assert not any(arg.startswith("/dev/nvidia") for arg in tree.args) or os.path.exists("/dev/nvidia0")
+    monkeypatch.setattr(sandbox, "_gpu_machine", lambda: True)
+    monkeypatch.setattr(sandbox.glob, "glob", lambda pattern: ["/dev/nvidia0", "/dev/nvidia-uvm", "/dev/nvidiactl"])
+    tree = sandbox._Tree()
+    tree.devices_and_temp(None)
+    text = " ".join(tree.args)
+    for device in ("/dev/nvidia0", "/dev/nvidia-uvm", "/dev/nvidiactl"):
+        assert f"--dev-bind {device} {device}" in text
+    assert "--ro-bind /sys /sys" in text and text.index("--dev /dev") < text.index("--dev-bind")

@@ -196,6 +196,54 @@ for _kit in {_Path(_sys.prefix).parent, _Path(_sys.executable).resolve().parents
     raise RuntimeError(f"LEAKED the reference solution from {_kit}")
 """
 
+# The red team's submission of issue 17: at import, it walks the file system from its own module
+# upward and from the usual roots, reads every file that looks like course material (a
+# submission, a notebook, a solution, a hidden test) outside its own scratch copy and the Python
+# install, and echoes it into the log the grader keeps. Only if it read one, it crashes loudly (so
+# the feedback says so); otherwise it is slow for real, like SLOW_MOE. It runs in every process that
+# imports onenode: the harness's ranks.
+READ_COHORT = """
+import os as _os
+import sys as _sys
+import time as _time
+
+
+def _looks_like_course_material(path):
+    name = _os.path.basename(path)
+    return (name == "submission.patch" or name.endswith(".ipynb") or "/solutions/" in path
+            or "/assignments/source/" in path)
+
+
+def _walk_the_cohort(budget_s=60.0):
+    own = _os.path.realpath(_os.path.join(_os.path.dirname(__file__), "..", ".."))  # the scratch copy
+    allowed = tuple(_os.path.realpath(p).rstrip("/") + "/" for p in {own, _sys.prefix, _sys.base_prefix})
+    upward = [_os.path.dirname(own)]
+    while upward[-1] != "/":
+        upward.append(_os.path.dirname(upward[-1]))
+    seen, leaked, deadline = {"/proc", "/sys", "/dev", "/usr"}, [], _time.monotonic() + budget_s
+    for root in upward + ["/work", "/root", "/tmp", "/home", "/srv", "/"]:
+        for top, dirs, files in _os.walk(root):
+            if top in seen or (top + "/").startswith(allowed) or _time.monotonic() > deadline:
+                dirs[:] = []
+                continue
+            seen.add(top)
+            for path in (_os.path.join(top, f) for f in files):
+                if _looks_like_course_material(path):
+                    try:
+                        with open(path, "rb") as f:
+                            head = f.read(200)
+                    except OSError:
+                        continue
+                    print(f"LEAKED {path}: {head!r}", file=_sys.stderr, flush=True)
+                    leaked.append(path)
+    return leaked
+
+
+_leaked = _walk_the_cohort()
+if _leaked:
+    raise RuntimeError(f"LEAKED {len(_leaked)} files of the cohort or the kit, e.g. {_leaked[:3]}")
+"""
+
 CACHED_MOE = """
 _honest_forward = MoE.forward
 
@@ -265,4 +313,5 @@ CASES: list[Case] = [
     _running("cached-moe-output", {MOE_FILE: CACHED_MOE}, r"^wrong"),
     _running("reads-reference-solution", {f"{STARTER}/__init__.py": READ_SOLUTION, MOE_FILE: SLOW_MOE},
              r"not faster"),
+    _running("reads-the-cohort", {f"{STARTER}/__init__.py": READ_COHORT, MOE_FILE: SLOW_MOE}, r"not faster"),
 ]
