@@ -9,6 +9,7 @@ import torch
 
 from onenode.cli import main
 from onenode.model import build_model, get_preset
+from onenode.parallel.layers import apply_activation_checkpointing
 from onenode.train.balance import RouterBalancer
 from onenode.train.checkpoint import CheckpointError
 from onenode.train.logging import read_metrics
@@ -16,7 +17,7 @@ from onenode.train.optim import OptimizerList, is_muon_param
 from onenode.train.recipe import load_recipe
 from onenode.train.schedule import lr_factor
 from onenode.train.step import build_optimizer
-from onenode.train.trainer import Trainer, apply_activation_checkpointing
+from onenode.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "a2_pretrain" / "recipes" / "tiny.yaml"

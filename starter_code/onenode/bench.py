@@ -28,13 +28,14 @@ from pathlib import Path
 
 import torch
 
-from .flops import H100_H200_BF16_PEAK, model_flops, mfu
+from .flops import H100_H200_BF16_PEAK, mfu, model_flops
 from .model import build_model, get_preset
 from .model.config import PRESETS
+from .parallel.distributed import init_distributed, local_device
+from .parallel.layers import apply_activation_checkpointing, apply_compile
 from .profiling import format_top_kernels, profiled, time_split, top_kernels, write_trace
 from .train.logging import environment, git_commit
 from .train.step import build_optimizer, train_step
-from .train.trainer import apply_activation_checkpointing, apply_compile, init_distributed
 
 RECORD_VERSION = 1
 
@@ -149,10 +150,7 @@ def _max_over_ranks(value: float, world: int, device: torch.device) -> float:
 
 def run(args) -> dict:
     rank, world = init_distributed()
-    if args.device:
-        device = torch.device(args.device)
-    else:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(args.device) if args.device else local_device()
     overrides = {"mamba_kernel": args.mamba_kernel} if args.mamba_kernel else {}
     config = get_preset(args.preset, **overrides)
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -28,6 +27,8 @@ import torch.distributed as dist
 import yaml
 
 from ..model import build_model, count_parameters
+from ..parallel.distributed import init_distributed, local_device, mean_over_ranks
+from ..parallel.layers import apply_activation_checkpointing, apply_compile
 from .balance import RouterBalancer
 from .checkpoint import (
     export_final,
@@ -45,52 +46,6 @@ from .schedule import lr_factor, set_lr
 from .step import autocast_context, build_optimizer, clip_grad_norm_, cross_entropy_loss, forward_backward
 
 
-def init_distributed() -> tuple[int, int]:
-    """Join torchrun's process group when launched by it; (rank, world size)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
-        return dist.get_rank(), world
-    return 0, 1
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    return torch.device(name)
-
-
-def apply_activation_checkpointing(model) -> None:
-    """Recompute each layer's activations in backward instead of storing them."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    layers = model.backbone.layers
-    for i, layer in enumerate(layers):
-        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
-
-
-def apply_compile(model, mode: str) -> None:
-    """`torch.compile` per layer, as torchtitan does (one small graph per block, reused).
-
-    "mixers" compiles every Mamba2, attention and dense MLP mixer and leaves MoE mixers eager:
-    the routed experts have data-dependent shapes (tokens per expert), and the starter's
-    per-expert loop would unroll into one graph break per expert. "blocks" compiles every block,
-    MoE included: for an MoE whose routed path is compile-friendly.
-    """
-    for layer in model.backbone.layers:
-        if mode == "blocks":
-            layer.compile()
-        elif getattr(layer, "kind", None) != "moe":
-            layer.mixer.compile()
-
-
 class Trainer:
     def __init__(self, recipe: Recipe, out_dir: str | Path, resume: str | None = "auto"):
         """`resume`: "auto" (the latest checkpoint in out_dir, if any), None (start fresh) or a
@@ -98,7 +53,7 @@ class Trainer:
         self.recipe = recipe
         self.out_dir = Path(out_dir)
         self.rank, self.world = init_distributed()
-        self.device = _device(recipe.train.device)
+        self.device = local_device() if recipe.train.device == "auto" else torch.device(recipe.train.device)
         self.config = recipe.model_config()
         self.total_steps = recipe.total_steps
         self.autocast_dtype = torch.bfloat16 if recipe.train.precision == "bf16" else None
@@ -235,14 +190,6 @@ class Trainer:
         return True
 
     # -- one step ------------------------------------------------------------------------------
-    def _dp_mean(self, value: float | None) -> float | None:
-        """Mean over the ranks that computed a value (pipeline: only the last stages do)."""
-        if self.world == 1:
-            return value
-        t = torch.tensor([value or 0.0, 0.0 if value is None else 1.0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return float(t[0] / t[1]) if t[1] > 0 else None
-
     def train_step(self) -> dict:
         """Forward and backward over the micro-batches of one global batch, clip, update, rebalance."""
         factor = lr_factor(self.recipe.schedule, self.step, self.total_steps)
@@ -274,7 +221,7 @@ class Trainer:
                                     cross_rank_group=getattr(self.model, "grad_norm_group", None))
         self.optimizer.step()
         balance = self.balancer.finish_step(self.recipe.moe.bias_update_rate, group=self.dp_group)
-        loss = self._dp_mean(float(torch.stack(losses).mean()) if losses else None)
+        loss = mean_over_ranks(float(torch.stack(losses).mean()) if losses else None, self.device)
         if loss is not None and not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {self.step}: lower optimizer.lr or check the data")
         self.step += 1
@@ -298,7 +245,7 @@ class Trainer:
                 total += float(cross_entropy_loss(self.model(input_ids).logits, labels))
         self.model.train()
         self.balancer.finish_step(0.0)  # routing during eval is not training load
-        return self._dp_mean(total / self.recipe.eval.batches)
+        return mean_over_ranks(total / self.recipe.eval.batches, self.device)
 
     # -- the run -------------------------------------------------------------------------------
     def _trainer_state(self) -> dict:
