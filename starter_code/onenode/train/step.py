@@ -14,23 +14,10 @@ from torch import nn
 
 from onenode.model.nemotron_h import cross_entropy_loss
 
-__all__ = ["cross_entropy_loss", "param_groups", "build_optimizer", "clip_grad_norm_", "train_step"]
+from .optim import build_muon
+from .weight_decay import param_groups
 
-
-def _no_weight_decay(name: str, param: nn.Parameter) -> bool:
-    """Norm weights, biases and other 1-D tensors (A_log, D, dt_bias) are not decayed."""
-    return param.ndim < 2 or name.endswith(".bias")
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            (no_decay if _no_weight_decay(name, param) else decay).append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+__all__ = ["cross_entropy_loss", "build_optimizer", "clip_grad_norm_", "train_step"]
 
 
 def build_optimizer(
@@ -45,8 +32,6 @@ def build_optimizer(
     """AdamW with decoupled weight decay on matrices only (the A1 default), or "muon": Muon on the
     2-D hidden matrices and AdamW on the rest (`train/optim.py`; `muon_options` go to Muon)."""
     if name == "muon":
-        from .optim import build_muon
-
         return build_muon(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **muon_options)
     if name != "adamw":
         raise ValueError(f"unknown optimizer {name!r}: use 'adamw' or 'muon'")
