@@ -95,7 +95,7 @@ def test_stop_and_resume_matches_uninterrupted_run(tmp_path):
     manifest = resumed.fit()
     assert resumed.losses == straight.losses  # bitwise on CPU
     assert manifest["data_digest"] == json.loads((tmp_path / "a" / "run_manifest.json").read_text())["data_digest"]
-    for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values()):
+    for a, b in zip(straight.parallel.model.state_dict().values(), resumed.parallel.model.state_dict().values()):
         assert torch.equal(a, b)
     assert [r["step"] for r in read_metrics(tmp_path / "b") if "loss" in r] == list(range(1, 7))
 

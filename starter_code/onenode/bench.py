@@ -31,6 +31,7 @@ import torch
 from .flops import H100_H200_BF16_PEAK, mfu, model_flops
 from .model import build_model, get_preset
 from .model.config import PRESETS
+from .parallel import ParallelDims, ParallelModel, parallelize
 from .parallel.distributed import init_distributed, local_device
 from .parallel.layers import apply_activation_checkpointing, apply_compile
 from .profiling import format_top_kernels, profiled, time_split, top_kernels, write_trace
@@ -70,10 +71,10 @@ def build_transformers_peer(model: torch.nn.Module, experts_implementation: str)
 
 
 def prepare_model(args, config, world: int, device: torch.device,
-                  dtype: torch.dtype | None) -> tuple[torch.nn.Module, dict, torch.dtype | None]:
+                  dtype: torch.dtype | None) -> tuple[ParallelModel | torch.nn.Module, dict, torch.dtype | None]:
     """Build, checkpoint, compile and parallelize the model (torchtitan's order).
 
-    Returns the model, its layout and the autocast dtype for the step: one process autocasts;
+    Returns the model (as `parallelize` lays it out under torchrun), its layout and the autocast dtype for the step: one process autocasts;
     under FSDP2 the mixed-precision policy casts parameters to `dtype` instead (no autocast).
     """
     if args.impl == "transformers" and (world > 1 or args.compile != "off" or args.activation_checkpointing):
@@ -90,8 +91,6 @@ def prepare_model(args, config, world: int, device: torch.device,
         apply_compile(model, args.compile)
     autocast = dtype
     if world > 1:
-        from .parallel import ParallelDims, parallelize
-
         pipeline = {"schedule": args.pp_schedule, "microbatches": args.microbatches} if args.pp > 1 else {}
         model = parallelize(model, ParallelDims(dp=dp, ep=args.ep, pp=args.pp), param_dtype=dtype, **pipeline)
         autocast = None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import statistics
 import time
 from pathlib import Path
@@ -26,7 +25,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ..model import build_model, count_parameters
+from ..model import build_model, count_parameters, cross_entropy_loss
+from ..parallel import ParallelDims, ParallelModel, parallelize
 from ..parallel.distributed import init_distributed, local_device, mean_over_ranks
 from ..parallel.layers import apply_activation_checkpointing, apply_compile
 from .balance import RouterBalancer
@@ -43,7 +43,7 @@ from .logging import MetricsLog, environment, git_commit, read_metrics
 from .plots import plot_loss_curves
 from .recipe import Recipe, RecipeError
 from .schedule import lr_factor, set_lr
-from .step import autocast_context, build_optimizer, clip_grad_norm_, cross_entropy_loss, forward_backward
+from .step import autocast_context, build_optimizer, train_step
 
 
 class Trainer:
@@ -65,13 +65,16 @@ class Trainer:
             apply_activation_checkpointing(model)
         if recipe.train.compile:
             apply_compile(model, "blocks")
-        self.model = self._parallelize(model)
+        self.parallel = self._parallelize(model)
+        data_mesh = self.parallel.dp_mesh
+        self.dp_group = data_mesh.get_group() if data_mesh is not None else None  # None: the default group
+        self.dp_rank = data_mesh.get_local_rank() if data_mesh is not None else 0
         o = recipe.optimizer
         muon = vars(o.muon) if o.name == "muon" else {}
-        self.optimizer = build_optimizer(self.model, o.name, lr=o.lr, weight_decay=o.weight_decay,
+        self.optimizer = build_optimizer(self.parallel, o.name, lr=o.lr, weight_decay=o.weight_decay,
                                          betas=tuple(o.betas), eps=o.eps, **muon)
-        self.balancer = RouterBalancer(self.model, aux_loss=recipe.moe.aux_loss_coef > 0)
-        if recipe.moe.aux_loss_coef > 0 and self.is_pipeline:
+        self.balancer = RouterBalancer(self.parallel, aux_loss=recipe.moe.aux_loss_coef > 0)
+        if recipe.moe.aux_loss_coef > 0 and self.parallel.pipeline is not None:
             raise RecipeError("recipe: moe.aux_loss_coef needs parallel.pp: 1 (pipeline stages compute their own loss)")
         self.loader = self._loader("train")
 
@@ -104,22 +107,12 @@ class Trainer:
             raise RecipeError("recipe: train.micro_batch_size: with parallel.pp > 1 leave it 0 (the pipeline "
                               "splits each rank's batch into its own microbatches)")
 
-    def _parallelize(self, model):
-        """The recipe's layout (`onenode.parallel`); records the data-parallel group and rank."""
-        p = self.recipe.parallel
-        self.is_pipeline = False
-        self.dp_group, self.dp_rank = None, 0  # None: the default group (a single process)
+    def _parallelize(self, model) -> ParallelModel:
+        """The recipe's layout (`onenode.parallel`); one process runs the model as it is."""
         if self.world == 1:
-            return model
-        from ..parallel import ParallelDims, dp_mesh, parallelize
-
-        dims = ParallelDims(dp=self.dp, ep=p.ep, pp=p.pp)
-        mesh = dims.build_mesh(self.device.type)
-        model = parallelize(model, dims, mesh, param_dtype=self.autocast_dtype)
-        data_mesh = dp_mesh(mesh)
-        self.dp_group, self.dp_rank = data_mesh.get_group(), data_mesh.get_local_rank()
-        self.is_pipeline = getattr(model, "is_pipeline", False)
-        return model
+            return ParallelModel(model)
+        p = self.recipe.parallel
+        return parallelize(model, ParallelDims(dp=self.dp, ep=p.ep, pp=p.pp), param_dtype=self.autocast_dtype)
 
     def _loader(self, split: str):
         d, t = self.recipe.data, self.recipe.train
@@ -181,7 +174,7 @@ class Trainer:
             path = Path(resume)
             if (path / "checkpoints").is_dir():  # a run folder: its latest complete checkpoint
                 path = latest_checkpoint(path / "checkpoints") or path / "checkpoints"
-        meta, state = load_checkpoint(path, self.model, self.optimizer)
+        meta, state = load_checkpoint(path, self.parallel, self.optimizer)
         self.step, self.tokens_seen, self.losses = state["step"], state["tokens_seen"], list(state["losses"])
         self.loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
@@ -191,59 +184,36 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------
     def train_step(self) -> dict:
-        """Forward and backward over the micro-batches of one global batch, clip, update, rebalance."""
+        """One optimizer step over a global batch (this rank's micro-batches) at the scheduled lr,
+        then the routers' rebalancing; the record logged for it."""
         factor = lr_factor(self.recipe.schedule, self.step, self.total_steps)
         lr = set_lr(self.optimizer, self.recipe.optimizer.lr, factor)
-        self.optimizer.zero_grad(set_to_none=True)
+        micro_batches = [next(self.loader) for _ in range(self.accumulation)]
+        input_ids, labels = (torch.cat(parts).to(self.device, non_blocking=True) for parts in zip(*micro_batches))
         coef = self.recipe.moe.aux_loss_coef
-        losses, aux_losses = [], []  # kept on the device: one host sync per step, not per micro-batch
-        # FSDP reduces gradients on the last micro-batch only; earlier ones accumulate locally.
-        gradient_sync = getattr(self.model, "set_requires_gradient_sync", None)
-        for micro in range(self.accumulation):
-            if gradient_sync is not None:
-                gradient_sync(micro == self.accumulation - 1)
-            input_ids, labels = (t.to(self.device, non_blocking=True) for t in next(self.loader))
-            if self.is_pipeline:
-                loss = forward_backward(self.model, input_ids, labels, autocast_dtype=self.autocast_dtype)
-            else:
-                with autocast_context(self.device, self.autocast_dtype):
-                    logits = self.model(input_ids).logits
-                loss = cross_entropy_loss(logits, labels)
-                objective = loss
-                aux = self.balancer.pop_aux_loss() if coef > 0 else None
-                if aux is not None:
-                    objective = loss + coef * aux
-                    aux_losses.append(aux.detach())
-                (objective / self.accumulation).backward()
-            if loss is not None:
-                losses.append(loss.detach())
-        grad_norm = clip_grad_norm_(self.model, self.recipe.train.grad_clip,
-                                    cross_rank_group=getattr(self.model, "grad_norm_group", None))
-        self.optimizer.step()
+        out = train_step(self.parallel, self.optimizer, input_ids, labels, self.recipe.train.grad_clip,
+                         self.autocast_dtype, accumulation_steps=self.accumulation,
+                         aux_loss_fn=self.balancer.pop_aux_loss if coef > 0 else None, aux_loss_coef=coef)
         balance = self.balancer.finish_step(self.recipe.moe.bias_update_rate, group=self.dp_group)
-        loss = mean_over_ranks(float(torch.stack(losses).mean()) if losses else None, self.device)
-        if loss is not None and not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {self.step}: lower optimizer.lr or check the data")
         self.step += 1
         self.tokens_seen += self.recipe.tokens_per_step
-        record = {"step": self.step, "tokens": self.tokens_seen, "loss": loss, "lr": lr, "grad_norm": grad_norm, **balance}
-        if coef > 0:
-            record["aux_loss"] = float(torch.stack(aux_losses).mean())
-        return record
+        loss = mean_over_ranks(out.pop("loss"), self.device)
+        return {"step": self.step, "tokens": self.tokens_seen, "loss": loss, "lr": lr, **out, **balance}
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean loss over `eval.batches` held-out batches (the same batches every time)."""
-        if self.is_pipeline:
+        model = self.parallel.model
+        if model is None:
             return None  # pipeline stages have no single forward to evaluate
         loader = self._loader("val")
-        self.model.eval()
+        model.eval()
         total = 0.0
         for _ in range(self.recipe.eval.batches):
             input_ids, labels = (t.to(self.device) for t in next(loader))
             with autocast_context(self.device, self.autocast_dtype):
-                total += float(cross_entropy_loss(self.model(input_ids).logits, labels))
-        self.model.train()
+                total += float(cross_entropy_loss(model(input_ids).logits, labels))
+        model.train()
         self.balancer.finish_step(0.0)  # routing during eval is not training load
         return mean_over_ranks(total / self.recipe.eval.batches, self.device)
 
@@ -254,7 +224,7 @@ class Trainer:
 
     def save(self) -> Path:
         meta = {"tokens_seen": self.tokens_seen, **self._data_digest(), "recipe": self.recipe.name}
-        return save_checkpoint(self.out_dir / "checkpoints", self.step, self.model, self.optimizer,
+        return save_checkpoint(self.out_dir / "checkpoints", self.step, self.parallel, self.optimizer,
                                self._trainer_state(), meta, keep_last=self.recipe.checkpoint.keep_last)
 
     def manifest(self, status: str, wall_s: float) -> dict:
@@ -387,7 +357,7 @@ class Trainer:
             self.save()
         manifest = self.manifest("finished" if finished else "stopped", time.perf_counter() - start)
         if finished and r.checkpoint.export_hf:
-            final = export_final(self.model, self.config, self.out_dir / "final", manifest)
+            final = export_final(self.parallel, self.config, self.out_dir / "final", manifest)
             if final is not None and r.data.source != "synthetic":  # evaluation needs the tokenizer beside the weights
                 from ..eval.model import attach_tokenizer
 
