@@ -160,7 +160,7 @@ def test_tied_embeddings_share_one_tensor_and_roundtrip(tmp_path):
     model = build_model(config, seed=0)
     assert model.lm_head.weight is model.backbone.embeddings.weight
     ids, _ = _batch(config)
-    loaded = load_pretrained(save_pretrained(model, tmp_path))
+    loaded = NemotronHForCausalLM.from_pretrained(model.save_pretrained(tmp_path))
     assert loaded.lm_head.weight is loaded.backbone.embeddings.weight
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
 

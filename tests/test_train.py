@@ -69,9 +69,9 @@ def test_tiny_stops_exactly_at_budget_and_loss_falls(tiny_run):
 
 
 def test_final_export_loads_back(tiny_run):
-    from onenode.model.hf_io import load_pretrained
+    import onenode
 
-    model = load_pretrained(tiny_run / "final")
+    model = onenode.load_pretrained(tiny_run / "final")
     assert json.loads((tiny_run / "final" / "run_manifest.json").read_text())["status"] == "finished"
     ids = torch.randint(0, model.config.vocab_size, (1, 16))
     assert torch.isfinite(model(ids).logits).all()

@@ -118,13 +118,13 @@ def _make_lm_class():
                      batch_size: int | str = 16, max_length: int | str = DEFAULT_MAX_LENGTH,
                      device: str = "cpu", dtype: str | None = None, **_ignored):
             super().__init__()
-            from ..model.hf_io import load_pretrained
+            from ..model import NemotronHForCausalLM
 
             if model is None:
                 if pretrained is None:
                     raise ValueError("model=onenode needs pretrained=CHECKPOINT_FOLDER")
                 torch_dtype = getattr(torch, dtype) if dtype else None
-                model = load_pretrained(pretrained, device=device, dtype=torch_dtype)
+                model = NemotronHForCausalLM.from_pretrained(pretrained, device=device, dtype=torch_dtype)
             if tokenizer is None or isinstance(tokenizer, str):
                 if pretrained is None and tokenizer is None:
                     raise ValueError("OneNodeLM(model=...) needs tokenizer=")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -89,6 +90,22 @@ class NemotronHForCausalLM(nn.Module):
         self.tie_weights()
         if self.lm_head.weight.device.type != "meta":
             self.init_weights(seed=0)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | None = None) -> NemotronHForCausalLM:
+        """A model from a checkpoint folder (config.json + safetensors) in either layout, transformers'
+        or NVIDIA's remote code. `dtype=None` keeps the checkpoint's; the router stays float32."""
+        from .hf_io import load_pretrained  # hf_io builds this class: imported on use
+
+        return load_pretrained(path, device=device, dtype=dtype)
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """config.json + model.safetensors in the transformers-native layout, which
+        `transformers.AutoModelForCausalLM.from_pretrained(path)` loads (same logits)."""
+        from .hf_io import save_pretrained
+
+        return save_pretrained(self, path)
 
     def tie_weights(self) -> None:
         """Share the embedding with the head when the config says so (again after `to_empty`,

@@ -7,7 +7,7 @@ One checkpoint is a folder `step_00000100/`:
   seen, the data loader's position and digest, the RNG states;
 - `meta.json`, written last by rank 0: its presence marks the checkpoint complete.
 DCP also runs in a single process without a process group. The final model leaves the run in the
-transformers layout (`hf_io.save_pretrained`), with `run_manifest.json` beside it.
+transformers layout (`model.save_pretrained`), with `run_manifest.json` beside it.
 """
 
 from __future__ import annotations
@@ -154,11 +154,10 @@ def export_final(parallel: ParallelModel, config, folder: str | Path, manifest: 
     """The final model in the transformers layout plus the run manifest (collective).
 
     Rank 0 loads the full state into a fresh unsharded model and saves it with
-    `onenode.model.hf_io.save_pretrained`. Pipeline runs (whose stages live on different ranks)
+    `save_pretrained`. Pipeline runs (whose stages live on different ranks)
     write only the manifest, which says so: the kit exports models trained with pp = 1.
     """
     from ..model import build_model
-    from ..model.hf_io import save_pretrained
 
     folder = Path(folder)
     pipeline = parallel.pipeline is not None
@@ -173,7 +172,7 @@ def export_final(parallel: ParallelModel, config, folder: str | Path, manifest: 
         plain.to_empty(device="cpu")
         plain.tie_weights()
         plain.load_state_dict(state)
-        save_pretrained(plain, folder)
+        plain.save_pretrained(folder)
     write_json(folder / "run_manifest.json", manifest)
     return folder
 
