@@ -25,18 +25,6 @@ TOKENIZER_SPEC_FILE = "onenode_tokenizer.json"
 DEFAULT_MAX_LENGTH = 2048
 
 
-def require_lm_eval():
-    """lm_eval, or one line saying how to get it."""
-    try:
-        import lm_eval
-    except ModuleNotFoundError as e:
-        if e.name and e.name.split(".")[0] != "lm_eval":
-            raise
-        raise SystemExit("onenode eval needs lm-eval-harness: pip install lm-eval "
-                         "(or the kit's `eval` extra: pip install -e '.[eval]')") from None
-    return lm_eval
-
-
 def checkpoint_tokenizer(folder: str | Path, spec: str | None = None) -> Tokenizer:
     """The tokenizer a checkpoint folder carries (or `spec`, which overrides it)."""
     folder = Path(folder)
@@ -207,6 +195,5 @@ def onenode_lm_class():
     """The registered `OneNodeLM` class (registering it on first use)."""
     global _LM_CLASS
     if _LM_CLASS is None:
-        require_lm_eval()
         _LM_CLASS = _make_lm_class()
     return _LM_CLASS
