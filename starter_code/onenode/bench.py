@@ -74,8 +74,9 @@ def prepare_model(args, config, world: int, device: torch.device,
                   dtype: torch.dtype | None) -> tuple[ParallelModel | torch.nn.Module, dict, torch.dtype | None]:
     """Build, checkpoint, compile and parallelize the model (torchtitan's order).
 
-    Returns the model (as `parallelize` lays it out under torchrun), its layout and the autocast dtype for the step: one process autocasts;
-    under FSDP2 the mixed-precision policy casts parameters to `dtype` instead (no autocast).
+    Returns the model (as `parallelize` lays it out under torchrun), its layout and the autocast
+    dtype for the step: one process autocasts; under FSDP2 the mixed-precision policy casts
+    parameters to `dtype` instead (no autocast).
     """
     if args.impl == "transformers" and (world > 1 or args.compile != "off" or args.activation_checkpointing):
         raise SystemExit("--impl transformers runs on one device, eager, without activation checkpointing: "
@@ -284,7 +285,8 @@ def format_table(record: dict) -> str:
     rows = [
         ("model", f"{record['preset']} ({record['impl']}), {lay['micro_batch']} x {lay['seq_len']} tokens per rank"),
         ("layout", f"world {lay['world_size']}: dp {lay['dp']} ep {lay['ep']} pp {lay['pp']}, "
-                   f"AC {'on' if lay['activation_checkpointing'] else 'off'}, compile {lay['compile']}, {lay['dtype']}"),
+                   f"AC {'on' if lay['activation_checkpointing'] else 'off'}, compile {lay['compile']}, "
+                   f"{lay['dtype']}"),
         ("tokens/s", f"{r['tokens_per_s']:,.0f} total, {r['tokens_per_s_per_gpu']:,.0f} per GPU (or CPU process)"),
         ("step time", f"median {r['step_time_median_s'] * 1e3:.1f} ms (min {r['step_time_min_s'] * 1e3:.1f}, "
                       f"max {r['step_time_max_s'] * 1e3:.1f}, stdev {r['step_time_stdev_s'] * 1e3:.1f}) "
@@ -295,7 +297,8 @@ def format_table(record: dict) -> str:
                 f"({r['achieved_tflops_per_gpu']:.3g} TFLOP/s per GPU)"),
     ]
     if r["ceiling_tflops"]:
-        rows.append(("vs ceiling", f"{_percent(r['mfu_vs_ceiling'])} of a measured {r['ceiling_tflops']:.3g} TFLOP/s matmul"))
+        rows.append(("vs ceiling", f"{_percent(r['mfu_vs_ceiling'])} of a measured "
+                                   f"{r['ceiling_tflops']:.3g} TFLOP/s matmul"))
     rows.append(("peak memory", f"{r['peak_memory_gib']:.2f} GiB ({r['memory_kind']})"))
     if r["step_split"]:
         rows.append(("time split", f"compute {r['compute_share']:.1%}, communication {r['comm_share']:.1%} "

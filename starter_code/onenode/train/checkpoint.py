@@ -124,7 +124,8 @@ def load_checkpoint(path: str | Path, parallel: ParallelModel, optimizer) -> tup
     try:
         meta = json.loads((path / META).read_text())
     except json.JSONDecodeError:
-        raise CheckpointError(f"checkpoint {path}: {META} is corrupt; delete the folder and resume from an earlier one") from None
+        raise CheckpointError(f"checkpoint {path}: {META} is corrupt; delete the folder and resume from an "
+                              "earlier one") from None
     if meta.get("world_size", 1) != _world():
         raise CheckpointError(f"checkpoint {path} was written by {meta.get('world_size')} ranks, this run has "
                               f"{_world()}: resume with the same number of processes")

@@ -93,10 +93,12 @@ class Trainer:
         """Data-parallel size and gradient accumulation from the recipe and the world size."""
         p, t = self.recipe.parallel, self.recipe.train
         if self.world % (p.ep * p.pp) and p.dp == -1:
-            raise RecipeError(f"recipe: parallel.ep x parallel.pp = {p.ep * p.pp} does not divide the world size {self.world}")
+            raise RecipeError(f"recipe: parallel.ep x parallel.pp = {p.ep * p.pp} does not divide the world size "
+                              f"{self.world}")
         self.dp = self.world // p.pp if p.dp == -1 else p.dp  # experts shard inside data parallelism
         if self.dp * p.pp != self.world:
-            raise RecipeError(f"recipe: parallel.dp {self.dp} x pp {p.pp} != world size {self.world}: fix parallel.dp or use -1")
+            raise RecipeError(f"recipe: parallel.dp {self.dp} x pp {p.pp} != world size {self.world}: "
+                              "fix parallel.dp or use -1")
         micro = t.micro_batch_size or t.global_batch_size // self.dp
         if micro < 1 or t.global_batch_size % (micro * self.dp):
             raise RecipeError(f"recipe: train.global_batch_size {t.global_batch_size} is not a multiple of "
@@ -338,13 +340,14 @@ class Trainer:
                 if self.log:
                     self.log.log(record)
                     if bar is None or bar.disable:  # batch jobs: one line per logged step instead
-                        print(self._log_line(record, end_step, (time.perf_counter() - start) / (self.step - first_step)),
-                              flush=True)
+                        seconds_per_step = (time.perf_counter() - start) / (self.step - first_step)
+                        print(self._log_line(record, end_step, seconds_per_step), flush=True)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.3f}" if record["loss"] is not None else "-",
                                 tok_s=f"{tokens_per_s:.0f}")
-            if r.checkpoint.enabled and r.checkpoint.every_steps and self.step % r.checkpoint.every_steps == 0 and not last:
+            every = r.checkpoint.every_steps
+            if r.checkpoint.enabled and every and self.step % every == 0 and not last:
                 self.save()
         if bar is not None:
             bar.close()
