@@ -40,7 +40,9 @@ def file_diff(path: str) -> str:
         (Path(tmp) / "b" / "starter_code" / "onenode").symlink_to(TREE)
         name = f"starter_code/onenode/{path}"
         old = f"a/{name}" if (KIT_ROOT / name).exists() else "/dev/null"
-        result = subprocess.run(["git", "diff", "--no-index", "--no-prefix", old, f"b/{name}"],
+        # every option that git config could change is spelled out, so any machine writes the same bytes
+        options = ["--no-ext-diff", "--no-color", "--diff-algorithm=myers", "--indent-heuristic", "-U3", "--abbrev=7"]
+        result = subprocess.run(["git", "diff", "--no-index", "--no-prefix", *options, old, f"b/{name}"],
                                 cwd=tmp, capture_output=True, text=True)
     if result.returncode not in (0, 1):
         sys.exit(f"git diff failed for {path}: {result.stderr.strip()}")

@@ -40,7 +40,8 @@ class ParallelModel:
     rank's stages and their schedule instead. `pp_mesh`: each rank holds other parameters, so
     gradient norms add up over it. `ep_mesh` is set only when the routed experts are split over it:
     each rank holds other experts, so their gradient norms add up there. `dp_mesh`: the ranks that
-    see different data (loss means, router loads, data shards).
+    see different data (loss means, router loads, data shards). Its parameters and modules iterate
+    like a model's, for optimizers, load balancing and checks.
     """
 
     model: nn.Module | None = None
@@ -65,10 +66,6 @@ class ParallelModel:
     def named_modules(self) -> Iterator[tuple[str, nn.Module]]:
         for module in self.stage_modules:
             yield from module.named_modules()
-
-    def modules(self) -> Iterator[nn.Module]:
-        for _, module in self.named_modules():
-            yield module
 
 
 def _device_type(model: nn.Module) -> str:

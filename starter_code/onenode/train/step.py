@@ -81,9 +81,9 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, *, pp_m
     is summed over it. (torchtitan's `clip_grad_norm_(..., pp_mesh, ep_enabled)`.)
     """
     groups = _grads_by_mesh([p.grad for p in parameters if p.grad is not None])
-    sq = _local_sq_norm({mesh: grads for mesh, grads in groups.items() if not _is_expert_shard(mesh)})
+    experts = {mesh: grads for mesh, grads in groups.items() if ep_mesh is not None and _is_expert_shard(mesh)}
+    sq = _local_sq_norm({mesh: grads for mesh, grads in groups.items() if mesh not in experts})
     if ep_mesh is not None:
-        experts = {mesh: grads for mesh, grads in groups.items() if _is_expert_shard(mesh)}
         expert_sq = _local_sq_norm(experts).to(sq.device)
         dist.all_reduce(expert_sq, group=ep_mesh.get_group())
         sq = sq + expert_sq
