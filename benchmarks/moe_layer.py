@@ -7,11 +7,12 @@ One MoE layer of the a1-1gpu preset (128 experts, top-6, H=1024, I=704, one shar
 16384 tokens, forward+backward. Each implementation runs in its own process on its own copy of
 starter_code (the pristine starter, and the starter with solutions/a1/parts/1-moe.patch, built
 with `git apply` by tests/patched_copy.py; where git is missing, pass prebuilt folders with
-`--trees LOOP GROUPED`), from the same weights (the second loads the first's through `adapt_state_dict`), and
-their outputs and input gradients are compared. Reported per implementation: the layer's median time; the routed experts' median time
-(fixed routing); the time of their matmul kernels (profiler, aten mm/_grouped_mm); the expert
-matmul FLOPs (2*m*n*k per GEMM, x3 for forward+backward, over the top-k assignments) as TFLOP/s
-over each time, and as a share of the 989 TFLOP/s dense bf16 peak of H100/H200. Prints JSON.
+`--trees LOOP GROUPED`), from the same weights (the second loads the first's through
+`adapt_state_dict`), and their outputs and input gradients are compared. Reported per
+implementation: the layer's median time; the routed experts' median time (fixed routing); the time
+of their matmul kernels (profiler, aten mm/_grouped_mm); the expert matmul FLOPs (2*m*n*k per
+GEMM, x3 for forward+backward, over the top-k assignments) as TFLOP/s over each time, and as a
+share of the 989 TFLOP/s dense bf16 peak of H100/H200. Prints JSON.
 """
 
 from __future__ import annotations

@@ -55,14 +55,14 @@ def worker(args) -> None:
     from onenode.bench import peak_memory_bytes, synthetic_batches
     from onenode.model import build_model, get_preset
     from onenode.parallel import ParallelDims, parallelize
+    from onenode.parallel.distributed import init_distributed, local_device
     from onenode.profiling import profiled, write_trace
     from onenode.train.logging import environment, git_commit
     from onenode.train.step import build_optimizer, train_step
-    from onenode.train.trainer import init_distributed
 
     rank, world = init_distributed()
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = local_device()
     if not cuda:
         torch.set_num_threads(1)
     dtype = torch.bfloat16 if cuda else None

@@ -43,7 +43,8 @@ def main() -> int:
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     if rank == 0:
         status = "ok" if flags.item() else "WRONG SUM"
-        print(f"nccl_smoke: {world} GPUs, {args.mib} MiB all-reduce: {status}, {seconds * 1e3:.1f} ms, bus {busbw:.0f} GB/s")
+        print(f"nccl_smoke: {world} GPUs, {args.mib} MiB all-reduce: {status}, {seconds * 1e3:.1f} ms, "
+              f"bus {busbw:.0f} GB/s")
     dist.destroy_process_group()
     return 0 if flags.item() else 1
 

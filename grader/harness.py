@@ -199,12 +199,10 @@ class TrainSession:
         moved = self.counter.take()
         loss = out["loss"]
         if self.world > 1:  # the mean over the ranks that computed a loss (last pipeline stage)
-            import torch.distributed as dist
+            from onenode.parallel.distributed import mean_over_ranks
 
-            both = torch.tensor([loss or 0.0, 0.0 if loss is None else 1.0], dtype=torch.float64, device=self.device)
             with self.counter.paused():
-                dist.all_reduce(both)
-            loss = float(both[0] / both[1]) if both[1] > 0 else None
+                loss = mean_over_ranks(loss, self.device)
         return {"loss": loss, "grad_norm": out.get("grad_norm"), "bytes": moved}
 
 

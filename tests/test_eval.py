@@ -125,9 +125,9 @@ def test_trained_beats_untrained_and_routes_agree(checkpoints, suite, tmp_path):
 
 @pytest.mark.slow  # needs the reference run (trained once, cached)
 def test_validation_split_loss_separates_trained_from_untrained(checkpoints):
+    from onenode import load_pretrained
     from onenode.eval.heldout import heldout_loss, val_split_tokens
     from onenode.eval.model import recipe_data_dir
-    from onenode.model.hf_io import load_pretrained
     from onenode.train.recipe import load_recipe
 
     data = recipe_data_dir(load_recipe(load_make_reference().RECIPE), ROOT)  # built by the fixture's run

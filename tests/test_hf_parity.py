@@ -9,9 +9,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import onenode  # noqa: E402
 from onenode.cli import main as onenode_main  # noqa: E402
-from onenode.model import build_model, get_preset  # noqa: E402
-from onenode.model.hf_io import adapt_state_dict, load_pretrained, save_pretrained  # noqa: E402
+from onenode.model import NemotronHForCausalLM, build_model, get_preset  # noqa: E402
+from onenode.model.hf_io import adapt_state_dict  # noqa: E402
 
 # transformers clamps dt at time_step_min whatever time_step_limit says; setting the limit to the
 # same value makes both compute the same thing (the kit honours time_step_limit, as NVIDIA's code).
@@ -78,7 +79,7 @@ def test_logits_loss_and_gradients_match_transformers(name):
 
 def test_our_checkpoint_loads_in_transformers(tmp_path):
     config, _, ours, ids = _pair("mixed")
-    save_pretrained(ours, tmp_path)
+    ours.save_pretrained(tmp_path)
     keys = json.loads((tmp_path / "config.json").read_text())
     assert keys["model_type"] == "nemotron_h"
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
@@ -92,7 +93,7 @@ def test_transformers_checkpoint_loads_here_sharded(tmp_path):
     _, hf, _, ids = _pair("groups")
     hf.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    ours = load_pretrained(tmp_path)
+    ours = onenode.load_pretrained(tmp_path)
     torch.testing.assert_close(ours(ids).logits, hf(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
     buffers = dict(ours.named_buffers())
     assert buffers["backbone.layers.0.mixer.gate.e_score_correction_bias"].abs().sum() > 0
@@ -109,7 +110,7 @@ def test_nvidia_layout_roundtrip_through_convert(tmp_path, capsys):
         keys = set(f.keys())
     assert "backbone.layers.1.mixer.experts.7.down_proj.weight" in keys
     assert not any(k.startswith("model.") for k in keys)
-    ours = load_pretrained(tmp_path / "nv")
+    ours = NemotronHForCausalLM.from_pretrained(tmp_path / "nv")
     torch.testing.assert_close(ours(ids).logits, hf(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
     # and back to the transformers layout, which transformers reads
     assert onenode_main(["convert", str(tmp_path / "nv"), str(tmp_path / "hf2")]) == 0

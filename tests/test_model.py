@@ -6,7 +6,14 @@ import json
 import pytest
 import torch
 
-from onenode.model import PRESETS, build_model, count_parameters, get_preset
+from onenode.model import (
+    PRESETS,
+    NemotronHForCausalLM,
+    build_model,
+    count_parameters,
+    get_preset,
+    routed_expert_parameters,
+)
 from onenode.model.hf_io import adapt_state_dict, load_pretrained, save_pretrained
 from onenode.model.moe import MoE
 
@@ -142,6 +149,7 @@ def test_count_parameters_matches_meta_model(name):
     idle = config.n_routed_experts - config.num_experts_per_tok
     expert = sum(p.numel() for p in next(m for m in model.modules() if isinstance(m, MoE)).experts[0].parameters())
     assert active == total - config.layer_kinds.count("moe") * idle * expert
+    assert routed_expert_parameters(config) == config.layer_kinds.count("moe") * config.n_routed_experts * expert
     if name == "nemotron-3-nano-30b-a3b":
         assert 31.5e9 < total < 31.7e9 and 3.4e9 < active < 3.7e9
         assert all(p.device.type == "meta" for p in model.parameters())
@@ -152,7 +160,7 @@ def test_tied_embeddings_share_one_tensor_and_roundtrip(tmp_path):
     model = build_model(config, seed=0)
     assert model.lm_head.weight is model.backbone.embeddings.weight
     ids, _ = _batch(config)
-    loaded = load_pretrained(save_pretrained(model, tmp_path))
+    loaded = NemotronHForCausalLM.from_pretrained(model.save_pretrained(tmp_path))
     assert loaded.lm_head.weight is loaded.backbone.embeddings.weight
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
 

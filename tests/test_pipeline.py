@@ -70,9 +70,9 @@ def pipeline_worker(cases: list) -> list[dict]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from onenode.model import build_model, get_preset
+    from onenode.model import build_model, cross_entropy_loss, get_preset
+    from onenode.parallel import ParallelModel
     from onenode.parallel.pipeline import build_pipeline
-    from onenode.train.step import cross_entropy_loss
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("pp",))
     results = []
@@ -82,7 +82,7 @@ def pipeline_worker(cases: list) -> list[dict]:
             build_model(config, seed=0), mesh["pp"], schedule=schedule, microbatches=BATCH, device="cpu",
             loss_fn=cross_entropy_loss, stage_layers=stage_layers, seq_len=SEQ,
         )
-        result = _train(runner, slice(None), config.vocab_size)
+        result = _train(ParallelModel(pipeline=runner, pp_mesh=mesh["pp"]), slice(None), config.vocab_size)
         result["layers"] = [[int(i) for i in module.backbone.layers] for module in runner.stage_modules]
         results.append(result)
     return results
@@ -166,9 +166,8 @@ def single_process_reports() -> dict:
 
 def error_messages() -> list[str]:
     """The errors of bad pipeline settings, one per attempt ("no error" where none was raised)."""
-    from onenode.model import build_model, get_preset
+    from onenode.model import build_model, cross_entropy_loss, get_preset
     from onenode.parallel.pipeline import build_pipeline
-    from onenode.train.step import cross_entropy_loss
 
     class TwoRankMesh:  # build_pipeline validates before it touches a process group
         def size(self):

@@ -1,6 +1,7 @@
-"""The reference A1 fix as patches: each part applies alone, the parts in order give exactly the
-full patch, part 1 alone leaves expert parallelism off, and the public A1 tests (a1_infra/tests)
-fail on the starter with their teaching messages and pass on the fixed tree."""
+"""The reference A1 fix as patches: they are what the solution tree (solutions/a1/onenode/) gives,
+each part applies alone, the parts in order give exactly the full patch, part 1 alone leaves expert
+parallelism off, and the public A1 tests (a1_infra/tests) fail on the starter with their teaching
+messages and pass on the fixed tree."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ PUBLIC_TESTS = ["a1_infra/tests/test_part1_moe.py", "a1_infra/tests/test_part2_e
 
 def _touched(patch) -> set[str]:
     return set(re.findall(r"^\+\+\+ b/(\S+)$", patch.read_text(), re.MULTILINE))
+
+
+def test_stored_patches_are_what_the_solution_tree_gives():
+    result = subprocess.run([sys.executable, str(KIT_ROOT / "solutions" / "a1" / "make_patches.py"), "check"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_parts_exist_and_touch_disjoint_files():
@@ -58,7 +65,7 @@ def test_parts_in_order_give_the_full_patch():
             mismatched.append(str(left))
     assert not mismatched, f"parts applied in order differ from submission.patch: {sorted(set(mismatched))}"
     assert FULL_PATCH.read_text() == "".join((PARTS / f"{n}.patch").read_text() for n in PART_NAMES), (
-        "submission.patch is not the parts concatenated in order: run solutions/a1/make_patches.py join"
+        "submission.patch is not the parts concatenated in order: run solutions/a1/make_patches.py write"
     )
 
 
@@ -99,9 +106,10 @@ def test_public_tests_fail_on_the_starter_and_teach():
     result = _public_tests([])
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-2000:]
     failed = set(re.findall(r"^FAILED \S+::(\w+)", result.stdout, re.MULTILINE))
-    assert failed == {"test_moe_op_count_does_not_grow_with_experts", "test_moe_forward_has_no_host_sync",
-                      "test_ep_keeps_experts_local", "test_pp_builds_and_trains",
-                      "test_pp_stages_hold_every_parameter_once", "test_pp_trains_like_one_process"}, result.stdout[-3000:]
+    expected = {"test_moe_op_count_does_not_grow_with_experts", "test_moe_forward_has_no_host_sync",
+                "test_ep_keeps_experts_local", "test_pp_builds_and_trains",
+                "test_pp_stages_hold_every_parameter_once", "test_pp_trains_like_one_process"}
+    assert failed == expected, result.stdout[-3000:]
     for message in ("aten ops with 8 experts", "host syncs", "expert weights all-gathered: about",
                     "did not build or train"):
         assert message in result.stdout, f"no {message!r} in the starter's failures:\n{result.stdout[-3000:]}"

@@ -9,6 +9,7 @@ import torch
 
 from onenode.cli import main
 from onenode.model import build_model, get_preset
+from onenode.parallel.layers import apply_activation_checkpointing
 from onenode.train.balance import RouterBalancer
 from onenode.train.checkpoint import CheckpointError
 from onenode.train.logging import read_metrics
@@ -16,7 +17,7 @@ from onenode.train.optim import OptimizerList, is_muon_param
 from onenode.train.recipe import load_recipe
 from onenode.train.schedule import lr_factor
 from onenode.train.step import build_optimizer
-from onenode.train.trainer import Trainer, apply_activation_checkpointing
+from onenode.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "a2_pretrain" / "recipes" / "tiny.yaml"
@@ -68,9 +69,9 @@ def test_tiny_stops_exactly_at_budget_and_loss_falls(tiny_run):
 
 
 def test_final_export_loads_back(tiny_run):
-    from onenode.model.hf_io import load_pretrained
+    import onenode
 
-    model = load_pretrained(tiny_run / "final")
+    model = onenode.load_pretrained(tiny_run / "final")
     assert json.loads((tiny_run / "final" / "run_manifest.json").read_text())["status"] == "finished"
     ids = torch.randint(0, model.config.vocab_size, (1, 16))
     assert torch.isfinite(model(ids).logits).all()
@@ -94,7 +95,7 @@ def test_stop_and_resume_matches_uninterrupted_run(tmp_path):
     manifest = resumed.fit()
     assert resumed.losses == straight.losses  # bitwise on CPU
     assert manifest["data_digest"] == json.loads((tmp_path / "a" / "run_manifest.json").read_text())["data_digest"]
-    for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values()):
+    for a, b in zip(straight.parallel.model.state_dict().values(), resumed.parallel.model.state_dict().values()):
         assert torch.equal(a, b)
     assert [r["step"] for r in read_metrics(tmp_path / "b") if "loss" in r] == list(range(1, 7))
 

@@ -1,22 +1,18 @@
-"""Edit the reference A1 fixes as code, keep them as patches.
+"""The reference A1 fixes are code in `solutions/a1/onenode/`; the patches are generated from it.
 
-    python solutions/a1/make_patches.py checkout /tmp/sol   # /tmp/sol/starter_code = starter + every part
-    ... edit /tmp/sol/starter_code/onenode/... ...
-    python solutions/a1/make_patches.py diff /tmp/sol       # rewrite parts/*.patch and submission.patch
-    python solutions/a1/make_patches.py join                # submission.patch from parts/*.patch only
+    python solutions/a1/make_patches.py write   # rewrite parts/*.patch and submission.patch from the tree
+    python solutions/a1/make_patches.py check   # exit 1 if the stored patches are not what the tree gives
+    python solutions/a1/make_patches.py copy /tmp/fixed   # /tmp/fixed/starter_code: the fixed stack, to run
 
-Each part owns the files its patch touches now (parts touch disjoint files); a part that should
-own a new file: `diff /tmp/sol --add 2-ep:onenode/parallel/new_file.py`; `--parts 1-moe` rewrites
-only that part. A part whose diff comes out empty is left alone (the edited tree lacks it). The full
-`submission.patch` is the parts concatenated in order, so applying the parts one after the other
-gives exactly the full patch's tree.
+`solutions/a1/onenode/` mirrors `starter_code/onenode/` and holds only the files the fix changes,
+each in full. Each part owns its files (`PARTS`; the parts touch disjoint files, so each applies
+alone); its patch is `git diff` of those files, starter against tree. `submission.patch` is the
+parts concatenated in order, so applying the parts one after the other gives exactly its tree.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import shutil
 import subprocess
 import sys
@@ -25,88 +21,85 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 KIT_ROOT = HERE.parents[1]
-PARTS = HERE / "parts"
+TREE = HERE / "onenode"
+PATCHES = HERE / "parts"
 FULL = HERE / "submission.patch"
-_TARGET = re.compile(r"^\+\+\+ b/(starter_code/\S+)$", re.MULTILINE)
+# part -> the files it owns, relative to onenode/ (in the starter and in the tree alike)
+PARTS = {
+    "1-moe": ["model/moe.py"],
+    "2-ep": ["parallel/expert_parallel.py"],
+    "3-pp": ["parallel/pipeline.py"],
+}
 
 
-def parts() -> list[Path]:
-    return sorted(PARTS.glob("*.patch"))
-
-
-def owned_files(patch: Path) -> list[str]:
-    """The files (relative to the kit root) a part's patch changes."""
-    return _TARGET.findall(patch.read_text())
-
-
-def git_apply(tree: Path, patch: Path) -> None:
-    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent.resolve()))
-    result = subprocess.run(["git", "apply", "--whitespace=nowarn", str(patch)], cwd=tree, env=env,
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"{patch.name} does not apply: {result.stderr.strip()}")
-
-
-def checkout(dest: Path) -> None:
-    if (dest / "starter_code").exists():
-        sys.exit(f"{dest}/starter_code exists: remove it or pick another folder")
-    shutil.copytree(KIT_ROOT / "starter_code", dest / "starter_code",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
-    for patch in parts():
-        git_apply(dest, patch)
-    print(f"{dest}/starter_code: starter + {', '.join(p.stem for p in parts())}")
-
-
-def file_diff(path: str, edited: Path) -> str:
-    """`git diff` of one file, starter vs the edited tree, with a/ b/ paths from the kit root."""
+def file_diff(path: str) -> str:
+    """`git diff` of one owned file, starter against tree, with a/ b/ paths from the kit root."""
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "a").symlink_to(KIT_ROOT)
-        (Path(tmp) / "b").symlink_to(edited.resolve())
-        old = f"a/{path}" if (KIT_ROOT / path).exists() else "/dev/null"
-        result = subprocess.run(["git", "diff", "--no-index", "--no-prefix", old, f"b/{path}"], cwd=tmp,
-                                capture_output=True, text=True)
+        (Path(tmp) / "b" / "starter_code").mkdir(parents=True)
+        (Path(tmp) / "b" / "starter_code" / "onenode").symlink_to(TREE)
+        name = f"starter_code/onenode/{path}"
+        old = f"a/{name}" if (KIT_ROOT / name).exists() else "/dev/null"
+        # every option that git config could change is spelled out, so any machine writes the same bytes
+        options = ["--no-ext-diff", "--no-color", "--diff-algorithm=myers", "--indent-heuristic", "-U3", "--abbrev=7"]
+        result = subprocess.run(["git", "diff", "--no-index", "--no-prefix", *options, old, f"b/{name}"],
+                                cwd=tmp, capture_output=True, text=True)
     if result.returncode not in (0, 1):
         sys.exit(f"git diff failed for {path}: {result.stderr.strip()}")
     return result.stdout
 
 
-def join() -> None:
-    FULL.write_text("".join(patch.read_text() for patch in parts()))
-    print(f"{FULL.relative_to(KIT_ROOT)}: {' + '.join(p.stem for p in parts())}")
+def generated() -> dict[Path, str]:
+    """Every patch file's text as the tree gives it: the parts, then the full patch."""
+    unowned = sorted({str(p.relative_to(TREE)) for p in TREE.rglob("*.py")} - {f for fs in PARTS.values() for f in fs})
+    if unowned:
+        sys.exit(f"solutions/a1/onenode/{unowned[0]} belongs to no part: add it to PARTS in {Path(__file__).name}")
+    parts = {PATCHES / f"{name}.patch": "".join(file_diff(path) for path in files) for name, files in PARTS.items()}
+    return {**parts, FULL: "".join(parts.values())}
 
 
-def diff(edited: Path, additions: list[str], only: list[str] | None) -> None:
-    owners = {patch: owned_files(patch) for patch in parts() if only is None or patch.stem in only}
-    for spec in additions:
-        name, _, rel = spec.partition(":")
-        owners.setdefault(PARTS / f"{name}.patch", []).append(f"starter_code/{rel}")
-    for patch, files in owners.items():
-        text = "".join(file_diff(path, edited) for path in files)
-        if not text:
-            print(f"{patch.relative_to(KIT_ROOT)}: no change in {edited}, left alone (checkout first?)")
-            continue
+def write() -> None:
+    PATCHES.mkdir(exist_ok=True)
+    for patch, text in generated().items():
         patch.write_text(text)
-        print(f"{patch.relative_to(KIT_ROOT)}: {len(files)} file(s)")
-    join()
+        print(f"{patch.relative_to(KIT_ROOT)}: {text.count('diff --git')} file(s)")
 
 
-def main() -> None:
+def check() -> int:
+    stale = [patch for patch, text in generated().items() if not patch.is_file() or patch.read_text() != text]
+    for patch in stale:
+        print(f"{patch.relative_to(KIT_ROOT)} is not what solutions/a1/onenode/ gives: "
+              f"run python solutions/a1/make_patches.py write")
+    return 1 if stale else 0
+
+
+def copy(dest: Path) -> None:
+    """`dest/starter_code`: the starter with the fixed files in place (PYTHONPATH=dest/starter_code runs it)."""
+    if (dest / "starter_code").exists():
+        sys.exit(f"{dest}/starter_code exists: remove it or pick another folder")
+    shutil.copytree(KIT_ROOT / "starter_code", dest / "starter_code",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+    shutil.copytree(TREE, dest / "starter_code" / "onenode", dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    print(f"{dest}/starter_code: the starter with solutions/a1/onenode/ in place")
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("checkout").add_argument("dest", type=Path)
-    d = sub.add_parser("diff")
-    d.add_argument("edited", type=Path, help="the folder given to checkout")
-    d.add_argument("--add", action="append", default=[], metavar="PART:onenode/FILE")
-    d.add_argument("--parts", nargs="+", metavar="PART", help="rewrite only these parts (default: all)")
-    sub.add_parser("join")
+    sub.add_parser("write", help="rewrite parts/*.patch and submission.patch from the tree")
+    sub.add_parser("check", help="exit 1 if the stored patches are not what the tree gives")
+    sub.add_parser("copy", help="the starter with the fixed files in place, in DEST/starter_code").add_argument(
+        "dest", type=Path)
     args = parser.parse_args()
-    if args.command == "checkout":
-        checkout(args.dest)
-    elif args.command == "diff":
-        diff(args.edited, args.add, args.parts)
-    else:
-        join()
+    if args.command == "copy":
+        copy(args.dest)
+        return 0
+    if args.command == "write":
+        write()
+        return 0
+    return check()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -78,11 +78,10 @@ def make_untrained(reference: Path, dest: Path) -> Path:
     """The reference run with freshly initialised weights (same config, same files otherwise)."""
     from onenode.model import build_model
     from onenode.model.config import NemotronHConfig
-    from onenode.model.hf_io import save_pretrained
 
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(reference, dest)
-    save_pretrained(build_model(NemotronHConfig.load(dest / "final"), seed=1), dest / "final")
+    build_model(NemotronHConfig.load(dest / "final"), seed=1).save_pretrained(dest / "final")
     return dest
 
 

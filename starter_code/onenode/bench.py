@@ -28,13 +28,15 @@ from pathlib import Path
 
 import torch
 
-from .flops import H100_H200_BF16_PEAK, model_flops, mfu
+from .flops import H100_H200_BF16_PEAK, mfu, model_flops
 from .model import build_model, get_preset
 from .model.config import PRESETS
+from .parallel import ParallelDims, ParallelModel, parallelize
+from .parallel.distributed import init_distributed, local_device
+from .parallel.layers import apply_activation_checkpointing, apply_compile
 from .profiling import format_top_kernels, profiled, time_split, top_kernels, write_trace
 from .train.logging import environment, git_commit
 from .train.step import build_optimizer, train_step
-from .train.trainer import apply_activation_checkpointing, apply_compile, init_distributed
 
 RECORD_VERSION = 1
 
@@ -69,11 +71,12 @@ def build_transformers_peer(model: torch.nn.Module, experts_implementation: str)
 
 
 def prepare_model(args, config, world: int, device: torch.device,
-                  dtype: torch.dtype | None) -> tuple[torch.nn.Module, dict, torch.dtype | None]:
+                  dtype: torch.dtype | None) -> tuple[ParallelModel | torch.nn.Module, dict, torch.dtype | None]:
     """Build, checkpoint, compile and parallelize the model (torchtitan's order).
 
-    Returns the model, its layout and the autocast dtype for the step: one process autocasts;
-    under FSDP2 the mixed-precision policy casts parameters to `dtype` instead (no autocast).
+    Returns the model (as `parallelize` lays it out under torchrun), its layout and the autocast
+    dtype for the step: one process autocasts; under FSDP2 the mixed-precision policy casts
+    parameters to `dtype` instead (no autocast).
     """
     if args.impl == "transformers" and (world > 1 or args.compile != "off" or args.activation_checkpointing):
         raise SystemExit("--impl transformers runs on one device, eager, without activation checkpointing: "
@@ -89,8 +92,6 @@ def prepare_model(args, config, world: int, device: torch.device,
         apply_compile(model, args.compile)
     autocast = dtype
     if world > 1:
-        from .parallel import ParallelDims, parallelize
-
         pipeline = {"schedule": args.pp_schedule, "microbatches": args.microbatches} if args.pp > 1 else {}
         model = parallelize(model, ParallelDims(dp=dp, ep=args.ep, pp=args.pp), param_dtype=dtype, **pipeline)
         autocast = None
@@ -149,10 +150,7 @@ def _max_over_ranks(value: float, world: int, device: torch.device) -> float:
 
 def run(args) -> dict:
     rank, world = init_distributed()
-    if args.device:
-        device = torch.device(args.device)
-    else:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(args.device) if args.device else local_device()
     overrides = {"mamba_kernel": args.mamba_kernel} if args.mamba_kernel else {}
     config = get_preset(args.preset, **overrides)
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
@@ -287,7 +285,8 @@ def format_table(record: dict) -> str:
     rows = [
         ("model", f"{record['preset']} ({record['impl']}), {lay['micro_batch']} x {lay['seq_len']} tokens per rank"),
         ("layout", f"world {lay['world_size']}: dp {lay['dp']} ep {lay['ep']} pp {lay['pp']}, "
-                   f"AC {'on' if lay['activation_checkpointing'] else 'off'}, compile {lay['compile']}, {lay['dtype']}"),
+                   f"AC {'on' if lay['activation_checkpointing'] else 'off'}, compile {lay['compile']}, "
+                   f"{lay['dtype']}"),
         ("tokens/s", f"{r['tokens_per_s']:,.0f} total, {r['tokens_per_s_per_gpu']:,.0f} per GPU (or CPU process)"),
         ("step time", f"median {r['step_time_median_s'] * 1e3:.1f} ms (min {r['step_time_min_s'] * 1e3:.1f}, "
                       f"max {r['step_time_max_s'] * 1e3:.1f}, stdev {r['step_time_stdev_s'] * 1e3:.1f}) "
@@ -298,7 +297,8 @@ def format_table(record: dict) -> str:
                 f"({r['achieved_tflops_per_gpu']:.3g} TFLOP/s per GPU)"),
     ]
     if r["ceiling_tflops"]:
-        rows.append(("vs ceiling", f"{_percent(r['mfu_vs_ceiling'])} of a measured {r['ceiling_tflops']:.3g} TFLOP/s matmul"))
+        rows.append(("vs ceiling", f"{_percent(r['mfu_vs_ceiling'])} of a measured "
+                                   f"{r['ceiling_tflops']:.3g} TFLOP/s matmul"))
     rows.append(("peak memory", f"{r['peak_memory_gib']:.2f} GiB ({r['memory_kind']})"))
     if r["step_split"]:
         rows.append(("time split", f"compute {r['compute_share']:.1%}, communication {r['comm_share']:.1%} "

@@ -3,32 +3,59 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import sys
 
-# subcommand -> module that defines `register(subparsers)`; imported only when listed here, so a
-# missing optional dependency of one subcommand never breaks the others.
+# subcommand -> module that defines `register(subparsers)`
 SUBCOMMANDS = {
     "bench": "onenode.bench",
     "train": "onenode.train.cli",
     "sweep": "onenode.train.sweep",
     "data": "onenode.data.cli",
     "eval": "onenode.eval.cli",
-    "convert": "onenode.model.hf_io",
+    "convert": "onenode.model.cli",
+}
+
+# The optional dependencies (pyproject.toml's extras), by the module a missing one fails to import.
+EXTRAS = {
+    "transformers": "hf",
+    "tokenizers": "data", "tiktoken": "data", "py3langid": "data", "pyarrow": "data",
+    "datasets": "hub",
+    "lm_eval": "eval", "accelerate": "eval",
+    "nbgrader": "course", "jupyter": "course", "matplotlib": "course", "nbformat": "course", "nbclient": "course",
 }
 
 
+def install_hint(error: ModuleNotFoundError) -> str | None:
+    """What to install for a missing optional dependency; None when `error` is anything else (a
+    broken import in the kit itself, or a missing core dependency): that one keeps its traceback."""
+    package = (error.name or "").split(".")[0]
+    extra = EXTRAS.get(package)
+    return extra and f"needs {package}, which is not installed: pip install 'onenode[{extra}]'"
+
+
+def _raise(error: ModuleNotFoundError, args: argparse.Namespace) -> int:
+    raise error
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand; one whose module lacks an optional dependency is listed as unavailable
+    (and says what to install when run), so it never breaks the others."""
     parser = argparse.ArgumentParser(prog="onenode", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in SUBCOMMANDS.items():
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
-            if not e.name or not e.name.startswith("onenode"):
-                help_text = f"(unavailable: needs the missing package {e.name!r}; pip install it)"
-                subparsers.add_parser(name, help=help_text)
+            hint = install_hint(e)
+            if hint is None:
+                raise
+            # takes any arguments (no option syntax: "+" prefixes none of them), to say what to install
+            unavailable = subparsers.add_parser(name, help=f"(unavailable: {hint})", prefix_chars="+")
+            unavailable.add_argument("ignored", nargs="*")
+            unavailable.set_defaults(func=functools.partial(_raise, e))
             continue
         module.register(subparsers)
     return parser
@@ -38,12 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # e.g. "expert parallelism on"
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        if args.command:
-            parser.error(f"`onenode {args.command}` is unavailable here: see `onenode --help`")
+    if not args.command:
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ModuleNotFoundError as e:
+        hint = install_hint(e)
+        if hint is None:
+            raise
+        print(f"onenode {args.command}: {hint}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -108,7 +108,8 @@ class FlopReport:
             "forward_other_flops": self.forward_other_flops,
             "per_kind_forward": self.per_kind(),
             "per_layer_forward": [
-                {"name": l.name, "kind": l.kind, "matmul": l.matmul, "other": l.other} for l in self.layers
+                {"name": layer.name, "kind": layer.kind, "matmul": layer.matmul, "other": layer.other}
+                for layer in self.layers
             ],
         }
 

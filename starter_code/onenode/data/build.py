@@ -154,7 +154,7 @@ def build(config: str | Path | dict, out: str | Path, command: str | None = None
 
     manifest = {
         "format": "onenode-shards/1",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": command or shlex.join(sys.argv),
         "config": config,
         "tokenizer": tokenizer.describe(),

@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH, help="longest input in tokens")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 (default: the checkpoint's)")
-    parser.add_argument("--tokenizer", default=None, help="override the checkpoint's tokenizer (gpt2, a tokenizer.json)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="override the checkpoint's tokenizer (gpt2, a tokenizer.json)")
     held = parser.add_mutually_exclusive_group()
     held.add_argument("--val-data", default=None, help="data folder whose val split gives the held-out loss")
     held.add_argument("--val-text", default=None, help="text file whose documents give the held-out loss")

@@ -25,18 +25,6 @@ TOKENIZER_SPEC_FILE = "onenode_tokenizer.json"
 DEFAULT_MAX_LENGTH = 2048
 
 
-def require_lm_eval():
-    """lm_eval, or one line saying how to get it."""
-    try:
-        import lm_eval
-    except ModuleNotFoundError as e:
-        if e.name and e.name.split(".")[0] != "lm_eval":
-            raise
-        raise SystemExit("onenode eval needs lm-eval-harness: pip install lm-eval "
-                         "(or the kit's `eval` extra: pip install -e '.[eval]')") from None
-    return lm_eval
-
-
 def checkpoint_tokenizer(folder: str | Path, spec: str | None = None) -> Tokenizer:
     """The tokenizer a checkpoint folder carries (or `spec`, which overrides it)."""
     folder = Path(folder)
@@ -118,13 +106,13 @@ def _make_lm_class():
                      batch_size: int | str = 16, max_length: int | str = DEFAULT_MAX_LENGTH,
                      device: str = "cpu", dtype: str | None = None, **_ignored):
             super().__init__()
-            from ..model.hf_io import load_pretrained
+            from ..model import NemotronHForCausalLM
 
             if model is None:
                 if pretrained is None:
                     raise ValueError("model=onenode needs pretrained=CHECKPOINT_FOLDER")
                 torch_dtype = getattr(torch, dtype) if dtype else None
-                model = load_pretrained(pretrained, device=device, dtype=torch_dtype)
+                model = NemotronHForCausalLM.from_pretrained(pretrained, device=device, dtype=torch_dtype)
             if tokenizer is None or isinstance(tokenizer, str):
                 if pretrained is None and tokenizer is None:
                     raise ValueError("OneNodeLM(model=...) needs tokenizer=")
@@ -207,6 +195,5 @@ def onenode_lm_class():
     """The registered `OneNodeLM` class (registering it on first use)."""
     global _LM_CLASS
     if _LM_CLASS is None:
-        require_lm_eval()
         _LM_CLASS = _make_lm_class()
     return _LM_CLASS

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .model import DEFAULT_MAX_LENGTH, checkpoint_tokenizer, hf_tokenizer, onenode_lm_class, require_lm_eval
+from .model import DEFAULT_MAX_LENGTH, checkpoint_tokenizer, hf_tokenizer, onenode_lm_class
 from .suite import offline_suite_dir, suite_tasks
 
 ROUTES = ("onenode", "hf")
@@ -22,7 +22,6 @@ def build_lm(checkpoint: str | Path, route: str = "onenode", batch_size: int = 1
         return onenode_lm_class()(pretrained=str(checkpoint), tokenizer=tokenizer, batch_size=batch_size,
                                   max_length=max_length, device=device, dtype=dtype)
     if route == "hf":
-        require_lm_eval()
         from lm_eval.models.huggingface import HFLM
         from transformers import AutoModelForCausalLM
 
@@ -41,11 +40,11 @@ def _task_metrics(results: dict) -> dict[str, dict[str, float]]:
     return metrics
 
 
-def evaluate(checkpoint: str | Path, suite: str = "offline", route: str = "onenode", tasks_dir: str | Path | None = None,
-             limit: int | None = None, batch_size: int = 16, max_length: int = DEFAULT_MAX_LENGTH,
-             device: str = "cpu", dtype: str | None = None, tokenizer: str | None = None,
-             val_data: str | Path | None = None, val_text: str | Path | None = None, val_seq_len: int = 512,
-             val_max_tokens: int | None = None) -> dict:
+def evaluate(checkpoint: str | Path, suite: str = "offline", route: str = "onenode",
+             tasks_dir: str | Path | None = None, limit: int | None = None, batch_size: int = 16,
+             max_length: int = DEFAULT_MAX_LENGTH, device: str = "cpu", dtype: str | None = None,
+             tokenizer: str | None = None, val_data: str | Path | None = None, val_text: str | Path | None = None,
+             val_seq_len: int = 512, val_max_tokens: int | None = None) -> dict:
     """Run `suite` on `checkpoint` (and held-out loss when `val_data` or `val_text` is given).
 
     `tasks_dir` holds local task YAML (default for `offline`: the kit's suite, built on first
@@ -54,7 +53,7 @@ def evaluate(checkpoint: str | Path, suite: str = "offline", route: str = "oneno
     """
     if suite == "offline":
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON files: never ask the hub (read at import)
-    lm_eval = require_lm_eval()
+    import lm_eval
     from lm_eval.tasks import TaskManager
 
     checkpoint = Path(checkpoint)
@@ -69,7 +68,10 @@ def evaluate(checkpoint: str | Path, suite: str = "offline", route: str = "oneno
     if val_data or val_text:  # read first: a bad path fails before the long part
         from .heldout import text_tokens, val_split_tokens
 
-        held_tokens = val_split_tokens(val_data) if val_data else text_tokens(val_text, checkpoint_tokenizer(checkpoint, tokenizer))
+        if val_data:
+            held_tokens = val_split_tokens(val_data)
+        else:
+            held_tokens = text_tokens(val_text, checkpoint_tokenizer(checkpoint, tokenizer))
     lm = build_lm(checkpoint, route, batch_size, max_length, device, dtype, tokenizer)
     metrics: dict[str, dict[str, float]] = {}
     for shots in sorted({s.num_fewshot for s in specs}):

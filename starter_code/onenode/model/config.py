@@ -110,7 +110,7 @@ class NemotronHConfig:
             if not ok:
                 raise ValueError(f"NemotronHConfig: {message}")
 
-    def replace(self, **changes) -> "NemotronHConfig":
+    def replace(self, **changes) -> NemotronHConfig:
         """A copy with some fields changed (configs are never shared between models)."""
         return dataclasses.replace(copy.deepcopy(self), **changes)
 
@@ -135,7 +135,7 @@ class NemotronHConfig:
         return d
 
     @classmethod
-    def from_hf_dict(cls, d: dict) -> "NemotronHConfig":
+    def from_hf_dict(cls, d: dict) -> NemotronHConfig:
         d = dict(d)
         if "layers_block_type" in d and d["layers_block_type"]:
             d["hybrid_override_pattern"] = "".join(_HF_BLOCK_LETTERS[t] for t in d["layers_block_type"])
@@ -165,7 +165,7 @@ class NemotronHConfig:
         return path
 
     @classmethod
-    def load(cls, folder_or_file: str | Path) -> "NemotronHConfig":
+    def load(cls, folder_or_file: str | Path) -> NemotronHConfig:
         path = Path(folder_or_file)
         if path.is_dir():
             path = path / "config.json"

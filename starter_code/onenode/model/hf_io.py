@@ -1,4 +1,5 @@
-"""Read and write NemotronH checkpoints in both public layouts, and `onenode convert`.
+"""Read and write NemotronH checkpoints in both public layouts (`NemotronHForCausalLM.from_pretrained`
+and `save_pretrained` call this; `onenode convert` rewrites a folder from one layout to the other).
 
 - transformers native (`NemotronHForCausalLM` in transformers >= 5.3): prefix `model.`, the
   routed experts of a layer stacked as `mixer.experts.up_proj` [E, I, H] and `down_proj` [E, H, I].
@@ -88,7 +89,8 @@ def _convert(state_dict: dict[str, torch.Tensor], target: dict[str, torch.Size])
     unexpected = sorted(set(source) - used_keys) + sorted(
         f"{name}.{j}" for name, experts in per_expert.items() for j in experts if (name, j) not in used_experts)
     if unexpected:
-        raise ValueError(f"checkpoint has {len(unexpected)} tensors this model lacks, e.g. {unexpected[0]}: check the config")
+        raise ValueError(f"checkpoint has {len(unexpected)} tensors this model lacks, e.g. {unexpected[0]}: "
+                         "check the config")
     return out
 
 
@@ -192,7 +194,6 @@ def save_pretrained(model: NemotronHForCausalLM, path: str | Path) -> Path:
     return path
 
 
-# -- `onenode convert` -----------------------------------------------------------------------
 def convert(src: str | Path, dst: str | Path, layout: str = "hf") -> Path:
     """Rewrite a checkpoint folder in the transformers (`hf`) or NVIDIA remote-code layout."""
     if layout not in ("hf", "nvidia"):
@@ -207,22 +208,3 @@ def convert(src: str | Path, dst: str | Path, layout: str = "hf") -> Path:
     _write(Path(dst), config, tensors, next(iter(tensors.values())).dtype)
     return Path(dst)
 
-
-def register(subparsers) -> None:
-    parser = subparsers.add_parser("convert", help="rewrite a NemotronH checkpoint in another layout")
-    parser.add_argument("src", help="checkpoint folder (config.json + *.safetensors), either layout")
-    parser.add_argument("dst", help="output folder")
-    parser.add_argument("--layout", choices=("hf", "nvidia"), default="hf",
-                        help="hf: transformers-native (model., stacked experts); nvidia: remote code "
-                             "(backbone., one module per expert)")
-    parser.set_defaults(func=_convert_command)
-
-
-def _convert_command(args) -> int:
-    try:
-        out = convert(args.src, args.dst, args.layout)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"onenode convert: {e}")
-        return 1
-    print(f"wrote {out} ({args.layout} layout)")
-    return 0

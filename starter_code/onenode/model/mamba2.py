@@ -12,7 +12,7 @@ extension), so it is only ever tried lazily and never breaks `import onenode`.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -89,6 +90,22 @@ class NemotronHForCausalLM(nn.Module):
         self.tie_weights()
         if self.lm_head.weight.device.type != "meta":
             self.init_weights(seed=0)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | None = None) -> NemotronHForCausalLM:
+        """A model from a checkpoint folder (config.json + safetensors) in either layout, transformers'
+        or NVIDIA's remote code. `dtype=None` keeps the checkpoint's; the router stays float32."""
+        from .hf_io import load_pretrained  # hf_io builds this class: imported on use
+
+        return load_pretrained(path, device=device, dtype=dtype)
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """config.json + model.safetensors in the transformers-native layout, which
+        `transformers.AutoModelForCausalLM.from_pretrained(path)` loads (same logits)."""
+        from .hf_io import save_pretrained
+
+        return save_pretrained(self, path)
 
     def tie_weights(self) -> None:
         """Share the embedding with the head when the config says so (again after `to_empty`,
@@ -180,38 +197,22 @@ def build_model(config: NemotronHConfig, seed: int = 0, device: str | torch.devi
     return model
 
 
+def _routed_expert_numel(model: nn.Module) -> int:
+    return sum(p.numel() for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters())
+
+
 def count_parameters(config: NemotronHConfig) -> tuple[int, int]:
-    """(total, active per token) parameters, from the config alone.
+    """(total, active per token) parameters, counted on the model built on the meta device.
 
-    Active counts everything a token touches: embeddings, head, every layer, and in each MoE
-    layer the router, the shared expert and `num_experts_per_tok` routed experts.
+    Active is everything a token touches: every parameter but, in each MoE layer, the routed
+    experts it is not sent to (all but `num_experts_per_tok` of `n_routed_experts`, equal in size).
     """
-    h = config.hidden_size
+    model = build_model(config, device="meta")
+    total = sum(p.numel() for p in model.parameters())
+    idle = config.n_routed_experts - config.num_experts_per_tok
+    return total, total - _routed_expert_numel(model) * idle // config.n_routed_experts
 
-    def linear(fan_in: int, fan_out: int, bias: bool) -> int:
-        return fan_in * fan_out + (fan_out if bias else 0)
 
-    def mlp(inner: int, bias: bool) -> int:
-        return linear(h, inner, bias) + linear(inner, h, bias)
-
-    heads, inner, conv = config.mamba_num_heads, config.mamba_inner_size, config.mamba_conv_dim
-    mamba = (linear(h, inner + conv + heads, config.mamba_proj_bias)
-             + conv * config.conv_kernel + (conv if config.use_conv_bias else 0)
-             + 3 * heads + inner + linear(inner, h, config.mamba_proj_bias))
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    bias = config.attention_bias
-    attention = linear(h, q, bias) + 2 * linear(h, kv, bias) + linear(q, h, bias)
-    expert = mlp(config.moe_intermediate_size, False)
-    moe_shared = config.n_routed_experts * h + mlp(config.moe_shared_expert_intermediate_size, config.mlp_bias)
-    per_kind = {  # (total, active) for one layer, its norm included
-        "mamba": (mamba, mamba),
-        "attention": (attention, attention),
-        "mlp": (mlp(config.intermediate_size, config.mlp_bias),) * 2,
-        "moe": (moe_shared + config.n_routed_experts * expert, moe_shared + config.num_experts_per_tok * expert),
-    }
-    embeddings = config.vocab_size * h
-    total = active = embeddings + h + (0 if config.tie_word_embeddings else embeddings)
-    for kind in config.layer_kinds:
-        total += per_kind[kind][0] + h
-        active += per_kind[kind][1] + h
-    return total, active
+def routed_expert_parameters(config: NemotronHConfig) -> int:
+    """Parameters of every MoE layer's routed experts, all of them, counted on the meta-device model."""
+    return _routed_expert_numel(build_model(config, device="meta"))

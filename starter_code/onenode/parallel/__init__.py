@@ -1,61 +1,121 @@
 """Parallelism applied from outside to a plain model (torchtitan style).
 
     dims = ParallelDims(dp=4, ep=2)           # under torchrun with 4 processes
-    model = parallelize(model, dims)          # expert parallelism, then FSDP2; in place
+    parallel = parallelize(model, dims)       # expert parallelism, then FSDP2; in place
+    train_step(parallel, optimizer, input_ids, labels)
 
-`parallelize` builds the (pp, dp_mod_ep, ep) device mesh (see `mesh.py`); a caller that needs the
-mesh itself builds it with `dims.build_mesh(device_type)` and passes it in.
+`parallelize` builds the (pp, dp_mod_ep, ep) device mesh (see `mesh.py`) and returns a
+`ParallelModel`: what this rank holds and the meshes its training step reduces over. The model
+itself carries no parallel state.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..model.nemotron_h import cross_entropy_loss
 from .expert_parallel import apply_expert_parallel
 from .fsdp import apply_fsdp
 from .mesh import ParallelDims, dp_mesh
+from .pipeline import PipelineRunner, build_pipeline
 
-__all__ = ["ParallelDims", "dp_mesh", "parallelize", "shard_data_parallel", "apply_expert_parallel", "apply_fsdp"]
+__all__ = ["ParallelDims", "ParallelModel", "dp_mesh", "parallelize", "shard_data_parallel", "apply_expert_parallel",
+           "apply_fsdp"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelModel:
+    """A model laid out over the process group: what this rank holds, and the meshes the training
+    step needs (None where the layout has no such dimension).
+
+    With pp = 1 `model` is the whole model, sharded in place; with pp > 1 `pipeline` holds this
+    rank's stages and their schedule instead. `pp_mesh`: each rank holds other parameters, so
+    gradient norms add up over it. `ep_mesh` is set only when the routed experts are split over it:
+    each rank holds other experts, so their gradient norms add up there. `dp_mesh`: the ranks that
+    see different data (loss means, router loads, data shards). Its parameters and modules iterate
+    like a model's, for optimizers, load balancing and checks.
+    """
+
+    model: nn.Module | None = None
+    pipeline: PipelineRunner | None = None
+    dp_mesh: DeviceMesh | None = None
+    pp_mesh: DeviceMesh | None = None
+    ep_mesh: DeviceMesh | None = None
+
+    @property
+    def stage_modules(self) -> list[nn.Module]:
+        """This rank's modules: its pipeline stages, or the whole model as the one stage."""
+        return self.pipeline.stage_modules if self.pipeline is not None else [self.model]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for module in self.stage_modules:
+            yield from module.named_parameters()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, param in self.named_parameters():
+            yield param
+
+    def named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        for module in self.stage_modules:
+            yield from module.named_modules()
 
 
 def _device_type(model: nn.Module) -> str:
     return next(model.parameters()).device.type
 
 
-def shard_data_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *,
-                        param_dtype: torch.dtype | None = None) -> nn.Module:
-    """Expert parallelism over mesh["ep"], then FSDP over `dp_mesh(mesh)`: a model or a pipeline stage."""
+def shard_data_parallel(module: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *,
+                        param_dtype: torch.dtype | None = None) -> bool:
+    """Expert parallelism over mesh["ep"], then FSDP over `dp_mesh(mesh)`, in place: a model or a
+    pipeline stage. True when expert parallelism split the routed experts of `module`."""
     expert_layers = []
     if dims.ep > 1:
         logger.info("expert parallelism on: ep=%d, dp=%d", dims.ep, dims.dp)
-        expert_layers = apply_expert_parallel(model, mesh["ep"])
+        expert_layers = apply_expert_parallel(module, mesh["ep"])
     if dims.dp > 1:
-        apply_fsdp(model, dp_mesh(mesh), expert_layers=expert_layers, expert_mesh=mesh["dp_mod_ep"],
+        apply_fsdp(module, dp_mesh(mesh), expert_layers=expert_layers, expert_mesh=mesh["dp_mod_ep"],
                    param_dtype=param_dtype)
-    if expert_layers:
-        # The experts' gradients differ across the EP group: the global gradient norm sums them there.
-        model.expert_grad_norm_group = (mesh["dp_mod_ep"], mesh["ep"].get_group())
-    return model
+    return bool(expert_layers)
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None = None, *,
-                param_dtype: torch.dtype | None = None, **pipeline_options) -> nn.Module:
-    """`model` laid out as `dims` over the initialised process group; the unchanged model when
-    the layout is a single process. With pp > 1 the result is a pipeline runner, and
-    `pipeline_options` (schedule, microbatches, ...) go to `pipeline.pipeline_parallelize`."""
+def parallelize(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype | None = None,
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss,
+                **pipeline_options) -> ParallelModel:
+    """`model` laid out as `dims` over the initialised process group (unchanged on one process).
+
+    With pp > 1 the model is split into pipeline stages over mesh["pp"], the last computing
+    `loss_fn(logits, labels)`, and each stage is sharded over its dp ranks; `pipeline_options` go
+    to `pipeline.build_pipeline` (schedule, microbatches: by default pp, ...). With dp > 1 FSDP's
+    mixed-precision policy casts to `param_dtype`; with pp > 1 and dp = 1 the stages autocast to it.
+    """
     if pipeline_options and dims.pp == 1:
         raise ValueError(f"pipeline options {sorted(pipeline_options)} need pp > 1: drop them or set pp")
     if dims.world_size == 1:
-        return model
-    mesh = mesh if mesh is not None else dims.build_mesh(_device_type(model))
-    if dims.pp > 1:
-        from .pipeline import pipeline_parallelize
+        return ParallelModel(model)
+    mesh = dims.build_mesh(_device_type(model))
+    data_mesh = dp_mesh(mesh)
+    if dims.pp == 1:
+        experts_split = shard_data_parallel(model, dims, mesh, param_dtype=param_dtype)
+        return ParallelModel(model, dp_mesh=data_mesh, ep_mesh=mesh["ep"] if experts_split else None)
 
-        return pipeline_parallelize(model, dims, mesh, param_dtype=param_dtype, **pipeline_options)
-    return shard_data_parallel(model, dims, mesh, param_dtype=param_dtype)
+    experts_split = []
+
+    def shard_stage(stage: nn.Module) -> nn.Module:
+        experts_split.append(shard_data_parallel(stage, dims, mesh, param_dtype=param_dtype))
+        return stage
+
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
+    microbatches = pipeline_options.pop("microbatches", None) or dims.pp
+    pipeline = build_pipeline(model, mesh["pp"], microbatches=microbatches, device=device, loss_fn=loss_fn,
+                              autocast_dtype=param_dtype if dims.dp == 1 else None, parallelize_fn=shard_stage,
+                              **pipeline_options)
+    return ParallelModel(pipeline=pipeline, dp_mesh=data_mesh, pp_mesh=mesh["pp"],
+                         ep_mesh=mesh["ep"] if any(experts_split) else None)

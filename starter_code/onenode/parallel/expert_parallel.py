@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.nn.functional import all_to_all_single as _all_to_all_single
 
 
-class GroupedExperts(abc.ABC):
+class GroupedExperts(abc.ABC):  # noqa: B024 (no methods: a class declares itself with `register`)
     """The experts layout expert parallelism shards: every parameter stacked over a leading
     expert dimension (`up_proj` [E, I, H], `down_proj` [E, H, I], as transformers and torchtitan
     store them). An experts class declares itself with `GroupedExperts.register(cls)`."""

@@ -45,7 +45,7 @@ class ParallelDims:
         return self.dp // self.ep
 
     @classmethod
-    def for_world(cls, world_size: int, ep: int = 1, pp: int = 1) -> "ParallelDims":
+    def for_world(cls, world_size: int, ep: int = 1, pp: int = 1) -> ParallelDims:
         """The layout that uses every rank for data parallelism except those `pp` takes."""
         if world_size % pp:
             raise ValueError(f"ParallelDims: pp={pp} must divide the world size {world_size}")

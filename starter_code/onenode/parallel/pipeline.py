@@ -1,4 +1,4 @@
-"""Pipeline parallelism: split a decoder-only LM into stages and run them with a `torch.distributed.pipelining` schedule.
+"""Pipeline parallelism: a decoder-only LM split into stages, run by a `torch.distributed.pipelining` schedule.
 
 An automatic splitter in the style of NeMo Automodel's AutoPipeline: it finds the standard
 transformers layout (`model.embed_tokens`, `model.layers`, `model.norm`, `model.rotary_emb`,
@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-from ..train.step import cross_entropy_loss
-from . import shard_data_parallel
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 # Schedules that run several (virtual) stages per rank, stage s on rank s % pp.
@@ -90,46 +87,23 @@ def _materialize(stage: nn.Module, device: torch.device) -> nn.Module:
 
 
 class PipelineRunner:
-    """This rank's pipeline stages and their schedule, driven like a model by `train_step`.
+    """This rank's pipeline stages and their schedule (`parallelize` returns it in a `ParallelModel`).
 
     `step` runs forward and backward over all microbatches and returns the mean microbatch loss
     on the rank holding the last stage (None elsewhere). The gradients equal those of the whole
     batch when the microbatches hold equally many labelled tokens.
     """
 
-    is_pipeline = True
-
-    def __init__(self, schedule, stages: list[PipelineStage], microbatches: int, grad_norm_group):
+    def __init__(self, schedule, stages: list[PipelineStage], microbatches: int):
         self.schedule = schedule
         self.stages = stages
         self.microbatches = microbatches
-        # train_step sums squared gradient norms over this group: each rank holds other parameters.
-        self.grad_norm_group = grad_norm_group
-        # Set by expert parallelism on each stage (the same for every stage of a rank): the experts'
-        # gradients differ across the EP group, so their squared norm is summed there too.
-        self.expert_grad_norm_group = getattr(stages[0].submod, "expert_grad_norm_group", None)
         self.has_first_stage = any(stage.is_first for stage in stages)
         self.has_last_stage = any(stage.is_last for stage in stages)
 
     @property
     def stage_modules(self) -> list[nn.Module]:
         return [stage.submod for stage in self.stages]
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        for module in self.stage_modules:
-            yield from module.named_parameters()
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        for _, param in self.named_parameters():
-            yield param
-
-    def named_modules(self) -> Iterator[tuple[str, nn.Module]]:
-        for module in self.stage_modules:
-            yield from module.named_modules()
-
-    def modules(self) -> Iterator[nn.Module]:
-        for _, module in self.named_modules():
-            yield module
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         if input_ids.shape[0] % self.microbatches:
@@ -196,7 +170,7 @@ def build_pipeline(
 
     schedule_cls = SCHEDULES[schedule]
     runner_schedule = schedule_cls(stages if looped else stages[0], microbatches, loss_fn=loss_fn)
-    return PipelineRunner(runner_schedule, stages, microbatches, pp_mesh.get_group())
+    return PipelineRunner(runner_schedule, stages, microbatches)
 
 
 def _ranges_from_counts(stage_layers: list[int], num_stages: int, num_layers: int) -> list[range]:
@@ -207,19 +181,3 @@ def _ranges_from_counts(stage_layers: list[int], num_stages: int, num_layers: in
     bounds = list(itertools.accumulate(stage_layers, initial=0))
     return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
 
-
-def pipeline_parallelize(model: nn.Module, dims, mesh, *, param_dtype: torch.dtype | None = None,
-                         schedule: str = "1f1b", microbatches: int | None = None, **options) -> PipelineRunner:
-    """`parallelize` with pp > 1: split over mesh["pp"], then shard each stage over its dp ranks.
-
-    With dp > 1 FSDP's mixed-precision policy casts to `param_dtype`; with dp = 1 the stages
-    autocast to it. `microbatches` defaults to pp (the batch must be a multiple of it); `options` go to
-    `build_pipeline` (stages_per_rank, stage_layers).
-    """
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
-    return build_pipeline(
-        model, mesh["pp"], schedule=schedule, microbatches=microbatches or dims.pp, device=device,
-        loss_fn=cross_entropy_loss, autocast_dtype=param_dtype if dims.dp == 1 else None,
-        parallelize_fn=lambda stage: shard_data_parallel(stage, dims, mesh, param_dtype=param_dtype),
-        **options,
-    )

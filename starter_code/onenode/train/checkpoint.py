@@ -7,7 +7,7 @@ One checkpoint is a folder `step_00000100/`:
   seen, the data loader's position and digest, the RNG states;
 - `meta.json`, written last by rank 0: its presence marks the checkpoint complete.
 DCP also runs in a single process without a process group. The final model leaves the run in the
-transformers layout (`hf_io.save_pretrained`), with `run_manifest.json` beside it.
+transformers layout (`model.save_pretrained`), with `run_manifest.json` beside it.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ..parallel import ParallelModel
 from .optim import optimizers_of
 
 META = "meta.json"
@@ -74,22 +75,21 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _stateful(model) -> torch.nn.Module:
+def _stateful(parallel: ParallelModel) -> torch.nn.Module:
     """What DCP saves: the model, or this rank's pipeline stages as one module list (so a
     pipeline run resumes with the same layout)."""
-    stages = getattr(model, "stage_modules", None)
-    return torch.nn.ModuleList(stages) if stages is not None else model
+    return parallel.model if parallel.pipeline is None else torch.nn.ModuleList(parallel.stage_modules)
 
 
 def step_dir(folder: Path, step: int) -> Path:
     return Path(folder) / f"step_{step:08d}"
 
 
-def save_checkpoint(folder: str | Path, step: int, model, optimizer, trainer_state: dict, meta: dict,
+def save_checkpoint(folder: str | Path, step: int, parallel: ParallelModel, optimizer, trainer_state: dict, meta: dict,
                     keep_last: int = 2) -> Path:
     """Write the checkpoint of `step` (collective: every rank calls it) and prune old ones."""
     path = step_dir(Path(folder), step)
-    model_sd, optim_sd = get_state_dict(_stateful(model), optimizers_of(optimizer))
+    model_sd, optim_sd = get_state_dict(_stateful(parallel), optimizers_of(optimizer))
     with _single_process_quiet():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), no_dist=_world() == 1)
     torch.save(trainer_state, path / f"trainer_state_rank{_rank()}.pt")
@@ -113,7 +113,7 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: str | Path, model, optimizer) -> tuple[dict, dict]:
+def load_checkpoint(path: str | Path, parallel: ParallelModel, optimizer) -> tuple[dict, dict]:
     """Load model and optimizer in place; return (meta, this rank's trainer state)."""
     path = Path(path)
     if not path.is_dir():
@@ -124,12 +124,13 @@ def load_checkpoint(path: str | Path, model, optimizer) -> tuple[dict, dict]:
     try:
         meta = json.loads((path / META).read_text())
     except json.JSONDecodeError:
-        raise CheckpointError(f"checkpoint {path}: {META} is corrupt; delete the folder and resume from an earlier one") from None
+        raise CheckpointError(f"checkpoint {path}: {META} is corrupt; delete the folder and resume from an "
+                              "earlier one") from None
     if meta.get("world_size", 1) != _world():
         raise CheckpointError(f"checkpoint {path} was written by {meta.get('world_size')} ranks, this run has "
                               f"{_world()}: resume with the same number of processes")
     state_file = path / f"trainer_state_rank{_rank()}.pt"
-    optimizers, module = optimizers_of(optimizer), _stateful(model)
+    optimizers, module = optimizers_of(optimizer), _stateful(parallel)
     model_sd, optim_sd = get_state_dict(module, optimizers)
     state = {"model": model_sd, "optim": optim_sd}
     try:
@@ -150,19 +151,18 @@ def full_model_state_dict(model) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=options)
 
 
-def export_final(model, config, folder: str | Path, manifest: dict) -> Path | None:
+def export_final(parallel: ParallelModel, config, folder: str | Path, manifest: dict) -> Path | None:
     """The final model in the transformers layout plus the run manifest (collective).
 
     Rank 0 loads the full state into a fresh unsharded model and saves it with
-    `onenode.model.hf_io.save_pretrained`. Pipeline runs (whose stages live on different ranks)
+    `save_pretrained`. Pipeline runs (whose stages live on different ranks)
     write only the manifest, which says so: the kit exports models trained with pp = 1.
     """
     from ..model import build_model
-    from ..model.hf_io import save_pretrained
 
     folder = Path(folder)
-    pipeline = getattr(model, "is_pipeline", False)
-    state = None if pipeline else full_model_state_dict(model)
+    pipeline = parallel.pipeline is not None
+    state = None if pipeline else full_model_state_dict(parallel.model)
     if _rank() != 0:
         return None
     folder.mkdir(parents=True, exist_ok=True)
@@ -173,7 +173,7 @@ def export_final(model, config, folder: str | Path, manifest: dict) -> Path | No
         plain.to_empty(device="cpu")
         plain.tie_weights()
         plain.load_state_dict(state)
-        save_pretrained(plain, folder)
+        plain.save_pretrained(folder)
     write_json(folder / "run_manifest.json", manifest)
     return folder
 

@@ -33,7 +33,8 @@ def register(subparsers) -> None:
     add_recipe_arguments(parser)
     resume = parser.add_mutually_exclusive_group()
     resume.add_argument("--fresh", action="store_true", help="ignore checkpoints already in --out")
-    resume.add_argument("--resume", default=None, metavar="CHECKPOINT", help="resume from this step_* folder (or the latest one of this run folder)")
+    resume.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                        help="resume from this step_* folder (or the latest one of this run folder)")
     parser.add_argument("--stop-after", type=int, default=None, metavar="STEPS",
                         help="stop (with a checkpoint) after this many steps; a later run resumes")
     parser.add_argument("--check", action="store_true", help="validate the recipe, print the plan and exit")

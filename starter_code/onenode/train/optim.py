@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .step import _no_weight_decay
+from .weight_decay import no_weight_decay as _no_weight_decay  # the name build_muon calls
 
 # Parameter names that stay on AdamW whatever their shape: token-level lookups and the router,
 # whose rows are per-class scores rather than a hidden linear map.

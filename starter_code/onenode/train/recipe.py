@@ -174,7 +174,7 @@ class Recipe:
         d.pop("source_path")
         return d
 
-    def with_overrides(self, overrides: dict) -> "Recipe":
+    def with_overrides(self, overrides: dict) -> Recipe:
         """A new recipe with dotted keys replaced (`{"optimizer.name": "muon"}`), validated."""
         d = self.to_dict()
         for dotted, value in overrides.items():
@@ -184,7 +184,7 @@ class Recipe:
     def _where(self) -> str:
         return f"recipe {Path(self.source_path).name}: " if self.source_path else "recipe: "
 
-    def validate(self) -> "Recipe":
+    def validate(self) -> Recipe:
         t, o, s = self.train, self.optimizer, self.schedule
         checks = [
             ("train.token_budget", t.token_budget > 0, "must be a positive number of tokens"),

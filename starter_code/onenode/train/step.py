@@ -1,4 +1,5 @@
-"""One optimizer step: loss, backward, gradient clipping, update. Shared by bench, trainer and grader.
+"""One optimizer step: forward and backward (gradient accumulation, auxiliary loss), gradient
+clipping, update. The one step bench, trainer and grader harness run.
 
 Labels convention (the whole kit): `labels` has the shape of `input_ids` and holds each position's
 next-token target (already shifted); positions with -100 are ignored.
@@ -8,29 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
-from onenode.model.nemotron_h import cross_entropy_loss
+from ..model import cross_entropy_loss
+from ..parallel import ParallelModel
+from .optim import build_muon
+from .weight_decay import param_groups
 
-__all__ = ["cross_entropy_loss", "param_groups", "build_optimizer", "clip_grad_norm_", "train_step"]
-
-
-def _no_weight_decay(name: str, param: nn.Parameter) -> bool:
-    """Norm weights, biases and other 1-D tensors (A_log, D, dt_bias) are not decayed."""
-    return param.ndim < 2 or name.endswith(".bias")
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            (no_decay if _no_weight_decay(name, param) else decay).append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+__all__ = ["build_optimizer", "clip_grad_norm_", "train_step"]
 
 
 def build_optimizer(
@@ -45,8 +37,6 @@ def build_optimizer(
     """AdamW with decoupled weight decay on matrices only (the A1 default), or "muon": Muon on the
     2-D hidden matrices and AdamW on the rest (`train/optim.py`; `muon_options` go to Muon)."""
     if name == "muon":
-        from .optim import build_muon
-
         return build_muon(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **muon_options)
     if name != "adamw":
         raise ValueError(f"unknown optimizer {name!r}: use 'adamw' or 'muon'")
@@ -75,27 +65,30 @@ def _local_sq_norm(groups: dict[object, list[torch.Tensor]]) -> torch.Tensor:
     return total if total is not None else torch.zeros(())
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, *, cross_rank_group=None) -> float:
+def _is_expert_shard(mesh: DeviceMesh | None) -> bool:
+    """Experts that expert parallelism split are FSDP-sharded over the ranks holding the same
+    experts, the mesh named "dp_mod_ep" (`parallel/mesh.py`); nothing else is."""
+    return mesh is not None and mesh.mesh_dim_names == ("dp_mod_ep",)
+
+
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, *, pp_mesh: DeviceMesh | None = None,
+                    ep_mesh: DeviceMesh | None = None) -> float:
     """Clip all gradients to a global L2 norm and return the norm before clipping.
 
-    DTensor gradients (FSDP2) are reduced over their own meshes. Expert-parallel gradients
-    (`model.expert_grad_norm_group = (expert_mesh, ep_group)`, set by `parallelize`) differ across
-    the EP group, each rank holding other experts: their squares are summed over it. Parameters
-    that live on other ranks entirely (pipeline stages) are summed over `cross_rank_group`.
+    DTensor gradients (FSDP2) are reduced over their own meshes. With `ep_mesh` (the routed experts
+    split over it) the experts' gradients differ across it, each rank holding other experts: their
+    squares are summed there. With `pp_mesh` each rank holds other stages' parameters: every square
+    is summed over it. (torchtitan's `clip_grad_norm_(..., pp_mesh, ep_enabled)`.)
     """
-    import torch.distributed as dist
-
-    groups = _grads_by_mesh([p.grad for p in model.parameters() if p.grad is not None])
-    expert = getattr(model, "expert_grad_norm_group", None)
-    expert_grads = groups.pop(expert[0], None) if expert is not None else None
-    sq = _local_sq_norm(groups)
-    if expert_grads is not None:
-        expert_sq = _local_sq_norm({expert[0]: expert_grads}).to(sq.device)
-        dist.all_reduce(expert_sq, group=expert[1])
+    groups = _grads_by_mesh([p.grad for p in parameters if p.grad is not None])
+    experts = {mesh: grads for mesh, grads in groups.items() if ep_mesh is not None and _is_expert_shard(mesh)}
+    sq = _local_sq_norm({mesh: grads for mesh, grads in groups.items() if mesh not in experts})
+    if ep_mesh is not None:
+        expert_sq = _local_sq_norm(experts).to(sq.device)
+        dist.all_reduce(expert_sq, group=ep_mesh.get_group())
         sq = sq + expert_sq
-        groups[expert[0]] = expert_grads  # clipped with the rest below
-    if cross_rank_group is not None:
-        dist.all_reduce(sq, group=cross_rank_group)
+    if pp_mesh is not None:
+        dist.all_reduce(sq, group=pp_mesh.get_group())
     total_norm = float(sq.sqrt())
     if max_norm and max_norm > 0 and total_norm > max_norm:
         coef = max_norm / (total_norm + 1e-6)
@@ -111,31 +104,73 @@ def autocast_context(device: torch.device | str, dtype: torch.dtype | None):
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
-def forward_backward(model, input_ids: torch.Tensor, labels: torch.Tensor, *, autocast_dtype=None):
-    """Loss of one batch with its gradients accumulated. Pipeline runners run their schedule."""
-    if getattr(model, "is_pipeline", False):
-        return model.step(input_ids, labels)
-    with autocast_context(input_ids.device, autocast_dtype):
-        logits = model(input_ids).logits
-    loss = cross_entropy_loss(logits, labels)
-    loss.backward()
-    return loss.detach()
+def _forward_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, accumulation_steps: int,
+                      autocast_dtype: torch.dtype | None, aux_loss_fn: Callable[[], torch.Tensor | None] | None,
+                      aux_loss_coef: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mean loss (and auxiliary loss) over the micro-batches, their gradients added up.
+
+    The losses stay on the device: one host sync per step, not per micro-batch. FSDP reduces
+    gradients on the last micro-batch only; the earlier ones accumulate locally.
+    """
+    if input_ids.shape[0] % accumulation_steps:
+        raise ValueError(f"batch size {input_ids.shape[0]} is not a multiple of {accumulation_steps} "
+                         "accumulation steps: change one of them")
+    sync_last_only = accumulation_steps > 1 and isinstance(model, FSDPModule)
+    losses, aux_losses = [], []
+    for micro, (ids, targets) in enumerate(zip(input_ids.chunk(accumulation_steps), labels.chunk(accumulation_steps))):
+        if sync_last_only:
+            model.set_requires_gradient_sync(micro == accumulation_steps - 1)
+        with autocast_context(ids.device, autocast_dtype):
+            logits = model(ids).logits
+        loss = cross_entropy_loss(logits, targets)
+        objective = loss
+        aux = aux_loss_fn() if aux_loss_fn is not None else None
+        if aux is not None:
+            objective = loss + aux_loss_coef * aux
+            aux_losses.append(aux.detach())
+        (objective / accumulation_steps).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean(), torch.stack(aux_losses).mean() if aux_losses else None
 
 
 def train_step(
-    model,
+    model: ParallelModel | nn.Module,
     optimizer: torch.optim.Optimizer,
     input_ids: torch.Tensor,
     labels: torch.Tensor,
     grad_clip: float = 1.0,
     autocast_dtype: torch.dtype | None = None,
+    *,
+    accumulation_steps: int = 1,
+    aux_loss_fn: Callable[[], torch.Tensor | None] | None = None,
+    aux_loss_coef: float = 0.0,
 ) -> dict:
-    """One optimizer step. Returns the loss (None on pipeline stages that do not compute it)."""
+    """One optimizer step on this rank's batch.
+
+    `model` is what `parallelize` returned (a plain model is the one-process layout). The batch
+    runs as `accumulation_steps` micro-batches whose gradients add up; with pipeline parallelism
+    the schedule splits it into its own microbatches instead. `aux_loss_fn` returns the auxiliary
+    loss of the forward just run (`RouterBalancer.pop_aux_loss`); the objective adds it times
+    `aux_loss_coef`. Returns this rank's loss (mean over micro-batches; None on pipeline ranks
+    without the last stage), the global gradient norm before clipping and, with `aux_loss_fn`,
+    `aux_loss`.
+    """
+    parallel = model if isinstance(model, ParallelModel) else ParallelModel(model)
     optimizer.zero_grad(set_to_none=True)
-    loss = forward_backward(model, input_ids, labels, autocast_dtype=autocast_dtype)
-    grad_norm = clip_grad_norm_(model, grad_clip, cross_rank_group=getattr(model, "grad_norm_group", None))
+    if parallel.pipeline is not None:
+        if accumulation_steps > 1 or aux_loss_fn is not None:
+            raise ValueError("pipeline parallelism splits the batch into its own microbatches and computes the "
+                             "loss on its last stage: no accumulation_steps or aux_loss_fn with pp > 1")
+        loss, aux = parallel.pipeline.step(input_ids, labels), None
+    else:
+        loss, aux = _forward_backward(parallel.model, input_ids, labels, accumulation_steps, autocast_dtype,
+                                      aux_loss_fn, aux_loss_coef)
+    grad_norm = clip_grad_norm_(parallel.parameters(), grad_clip, pp_mesh=parallel.pp_mesh, ep_mesh=parallel.ep_mesh)
     optimizer.step()
     value = None if loss is None else float(loss)
     if value is not None and not math.isfinite(value):
         raise FloatingPointError(f"loss is {value}: lower the learning rate or check the data")
-    return {"loss": value, "grad_norm": grad_norm}
+    out = {"loss": value, "grad_norm": grad_norm}
+    if aux_loss_fn is not None:
+        out["aux_loss"] = None if aux is None else float(aux)
+    return out

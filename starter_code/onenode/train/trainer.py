@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -27,7 +25,10 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ..model import build_model, count_parameters
+from ..model import build_model, count_parameters, cross_entropy_loss
+from ..parallel import ParallelDims, ParallelModel, parallelize
+from ..parallel.distributed import init_distributed, local_device, mean_over_ranks
+from ..parallel.layers import apply_activation_checkpointing, apply_compile
 from .balance import RouterBalancer
 from .checkpoint import (
     export_final,
@@ -42,53 +43,7 @@ from .logging import MetricsLog, environment, git_commit, read_metrics
 from .plots import plot_loss_curves
 from .recipe import Recipe, RecipeError
 from .schedule import lr_factor, set_lr
-from .step import autocast_context, build_optimizer, clip_grad_norm_, cross_entropy_loss, forward_backward
-
-
-def init_distributed() -> tuple[int, int]:
-    """Join torchrun's process group when launched by it; (rank, world size)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
-        return dist.get_rank(), world
-    return 0, 1
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    return torch.device(name)
-
-
-def apply_activation_checkpointing(model) -> None:
-    """Recompute each layer's activations in backward instead of storing them."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    layers = model.backbone.layers
-    for i, layer in enumerate(layers):
-        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
-
-
-def apply_compile(model, mode: str) -> None:
-    """`torch.compile` per layer, as torchtitan does (one small graph per block, reused).
-
-    "mixers" compiles every Mamba2, attention and dense MLP mixer and leaves MoE mixers eager:
-    the routed experts have data-dependent shapes (tokens per expert), and the starter's
-    per-expert loop would unroll into one graph break per expert. "blocks" compiles every block,
-    MoE included: for an MoE whose routed path is compile-friendly.
-    """
-    for layer in model.backbone.layers:
-        if mode == "blocks":
-            layer.compile()
-        elif getattr(layer, "kind", None) != "moe":
-            layer.mixer.compile()
+from .step import autocast_context, build_optimizer, train_step
 
 
 class Trainer:
@@ -98,7 +53,7 @@ class Trainer:
         self.recipe = recipe
         self.out_dir = Path(out_dir)
         self.rank, self.world = init_distributed()
-        self.device = _device(recipe.train.device)
+        self.device = local_device() if recipe.train.device == "auto" else torch.device(recipe.train.device)
         self.config = recipe.model_config()
         self.total_steps = recipe.total_steps
         self.autocast_dtype = torch.bfloat16 if recipe.train.precision == "bf16" else None
@@ -110,13 +65,16 @@ class Trainer:
             apply_activation_checkpointing(model)
         if recipe.train.compile:
             apply_compile(model, "blocks")
-        self.model = self._parallelize(model)
+        self.parallel = self._parallelize(model)
+        data_mesh = self.parallel.dp_mesh
+        self.dp_group = data_mesh.get_group() if data_mesh is not None else None  # None: the default group
+        self.dp_rank = data_mesh.get_local_rank() if data_mesh is not None else 0
         o = recipe.optimizer
         muon = vars(o.muon) if o.name == "muon" else {}
-        self.optimizer = build_optimizer(self.model, o.name, lr=o.lr, weight_decay=o.weight_decay,
+        self.optimizer = build_optimizer(self.parallel, o.name, lr=o.lr, weight_decay=o.weight_decay,
                                          betas=tuple(o.betas), eps=o.eps, **muon)
-        self.balancer = RouterBalancer(self.model, aux_loss=recipe.moe.aux_loss_coef > 0)
-        if recipe.moe.aux_loss_coef > 0 and self.is_pipeline:
+        self.balancer = RouterBalancer(self.parallel, aux_loss=recipe.moe.aux_loss_coef > 0)
+        if recipe.moe.aux_loss_coef > 0 and self.parallel.pipeline is not None:
             raise RecipeError("recipe: moe.aux_loss_coef needs parallel.pp: 1 (pipeline stages compute their own loss)")
         self.loader = self._loader("train")
 
@@ -135,10 +93,12 @@ class Trainer:
         """Data-parallel size and gradient accumulation from the recipe and the world size."""
         p, t = self.recipe.parallel, self.recipe.train
         if self.world % (p.ep * p.pp) and p.dp == -1:
-            raise RecipeError(f"recipe: parallel.ep x parallel.pp = {p.ep * p.pp} does not divide the world size {self.world}")
+            raise RecipeError(f"recipe: parallel.ep x parallel.pp = {p.ep * p.pp} does not divide the world size "
+                              f"{self.world}")
         self.dp = self.world // p.pp if p.dp == -1 else p.dp  # experts shard inside data parallelism
         if self.dp * p.pp != self.world:
-            raise RecipeError(f"recipe: parallel.dp {self.dp} x pp {p.pp} != world size {self.world}: fix parallel.dp or use -1")
+            raise RecipeError(f"recipe: parallel.dp {self.dp} x pp {p.pp} != world size {self.world}: "
+                              "fix parallel.dp or use -1")
         micro = t.micro_batch_size or t.global_batch_size // self.dp
         if micro < 1 or t.global_batch_size % (micro * self.dp):
             raise RecipeError(f"recipe: train.global_batch_size {t.global_batch_size} is not a multiple of "
@@ -149,22 +109,12 @@ class Trainer:
             raise RecipeError("recipe: train.micro_batch_size: with parallel.pp > 1 leave it 0 (the pipeline "
                               "splits each rank's batch into its own microbatches)")
 
-    def _parallelize(self, model):
-        """The recipe's layout (`onenode.parallel`); records the data-parallel group and rank."""
-        p = self.recipe.parallel
-        self.is_pipeline = False
-        self.dp_group, self.dp_rank = None, 0  # None: the default group (a single process)
+    def _parallelize(self, model) -> ParallelModel:
+        """The recipe's layout (`onenode.parallel`); one process runs the model as it is."""
         if self.world == 1:
-            return model
-        from ..parallel import ParallelDims, dp_mesh, parallelize
-
-        dims = ParallelDims(dp=self.dp, ep=p.ep, pp=p.pp)
-        mesh = dims.build_mesh(self.device.type)
-        model = parallelize(model, dims, mesh, param_dtype=self.autocast_dtype)
-        data_mesh = dp_mesh(mesh)
-        self.dp_group, self.dp_rank = data_mesh.get_group(), data_mesh.get_local_rank()
-        self.is_pipeline = getattr(model, "is_pipeline", False)
-        return model
+            return ParallelModel(model)
+        p = self.recipe.parallel
+        return parallelize(model, ParallelDims(dp=self.dp, ep=p.ep, pp=p.pp), param_dtype=self.autocast_dtype)
 
     def _loader(self, split: str):
         d, t = self.recipe.data, self.recipe.train
@@ -226,7 +176,7 @@ class Trainer:
             path = Path(resume)
             if (path / "checkpoints").is_dir():  # a run folder: its latest complete checkpoint
                 path = latest_checkpoint(path / "checkpoints") or path / "checkpoints"
-        meta, state = load_checkpoint(path, self.model, self.optimizer)
+        meta, state = load_checkpoint(path, self.parallel, self.optimizer)
         self.step, self.tokens_seen, self.losses = state["step"], state["tokens_seen"], list(state["losses"])
         self.loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
@@ -235,70 +185,39 @@ class Trainer:
         return True
 
     # -- one step ------------------------------------------------------------------------------
-    def _dp_mean(self, value: float | None) -> float | None:
-        """Mean over the ranks that computed a value (pipeline: only the last stages do)."""
-        if self.world == 1:
-            return value
-        t = torch.tensor([value or 0.0, 0.0 if value is None else 1.0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return float(t[0] / t[1]) if t[1] > 0 else None
-
     def train_step(self) -> dict:
-        """Forward and backward over the micro-batches of one global batch, clip, update, rebalance."""
+        """One optimizer step over a global batch (this rank's micro-batches) at the scheduled lr,
+        then the routers' rebalancing; the record logged for it."""
         factor = lr_factor(self.recipe.schedule, self.step, self.total_steps)
         lr = set_lr(self.optimizer, self.recipe.optimizer.lr, factor)
-        self.optimizer.zero_grad(set_to_none=True)
+        micro_batches = [next(self.loader) for _ in range(self.accumulation)]
+        input_ids, labels = (torch.cat(parts).to(self.device, non_blocking=True) for parts in zip(*micro_batches))
         coef = self.recipe.moe.aux_loss_coef
-        losses, aux_losses = [], []  # kept on the device: one host sync per step, not per micro-batch
-        # FSDP reduces gradients on the last micro-batch only; earlier ones accumulate locally.
-        gradient_sync = getattr(self.model, "set_requires_gradient_sync", None)
-        for micro in range(self.accumulation):
-            if gradient_sync is not None:
-                gradient_sync(micro == self.accumulation - 1)
-            input_ids, labels = (t.to(self.device, non_blocking=True) for t in next(self.loader))
-            if self.is_pipeline:
-                loss = forward_backward(self.model, input_ids, labels, autocast_dtype=self.autocast_dtype)
-            else:
-                with autocast_context(self.device, self.autocast_dtype):
-                    logits = self.model(input_ids).logits
-                loss = cross_entropy_loss(logits, labels)
-                objective = loss
-                aux = self.balancer.pop_aux_loss() if coef > 0 else None
-                if aux is not None:
-                    objective = loss + coef * aux
-                    aux_losses.append(aux.detach())
-                (objective / self.accumulation).backward()
-            if loss is not None:
-                losses.append(loss.detach())
-        grad_norm = clip_grad_norm_(self.model, self.recipe.train.grad_clip,
-                                    cross_rank_group=getattr(self.model, "grad_norm_group", None))
-        self.optimizer.step()
+        out = train_step(self.parallel, self.optimizer, input_ids, labels, self.recipe.train.grad_clip,
+                         self.autocast_dtype, accumulation_steps=self.accumulation,
+                         aux_loss_fn=self.balancer.pop_aux_loss if coef > 0 else None, aux_loss_coef=coef)
         balance = self.balancer.finish_step(self.recipe.moe.bias_update_rate, group=self.dp_group)
-        loss = self._dp_mean(float(torch.stack(losses).mean()) if losses else None)
-        if loss is not None and not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {self.step}: lower optimizer.lr or check the data")
         self.step += 1
         self.tokens_seen += self.recipe.tokens_per_step
-        record = {"step": self.step, "tokens": self.tokens_seen, "loss": loss, "lr": lr, "grad_norm": grad_norm, **balance}
-        if coef > 0:
-            record["aux_loss"] = float(torch.stack(aux_losses).mean())
-        return record
+        loss = mean_over_ranks(out.pop("loss"), self.device)
+        return {"step": self.step, "tokens": self.tokens_seen, "loss": loss, "lr": lr, **out, **balance}
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean loss over `eval.batches` held-out batches (the same batches every time)."""
-        if self.is_pipeline:
+        model = self.parallel.model
+        if model is None:
             return None  # pipeline stages have no single forward to evaluate
         loader = self._loader("val")
-        self.model.eval()
+        model.eval()
         total = 0.0
         for _ in range(self.recipe.eval.batches):
             input_ids, labels = (t.to(self.device) for t in next(loader))
             with autocast_context(self.device, self.autocast_dtype):
-                total += float(cross_entropy_loss(self.model(input_ids).logits, labels))
-        self.model.train()
+                total += float(cross_entropy_loss(model(input_ids).logits, labels))
+        model.train()
         self.balancer.finish_step(0.0)  # routing during eval is not training load
-        return self._dp_mean(total / self.recipe.eval.batches)
+        return mean_over_ranks(total / self.recipe.eval.batches, self.device)
 
     # -- the run -------------------------------------------------------------------------------
     def _trainer_state(self) -> dict:
@@ -307,7 +226,7 @@ class Trainer:
 
     def save(self) -> Path:
         meta = {"tokens_seen": self.tokens_seen, **self._data_digest(), "recipe": self.recipe.name}
-        return save_checkpoint(self.out_dir / "checkpoints", self.step, self.model, self.optimizer,
+        return save_checkpoint(self.out_dir / "checkpoints", self.step, self.parallel, self.optimizer,
                                self._trainer_state(), meta, keep_last=self.recipe.checkpoint.keep_last)
 
     def manifest(self, status: str, wall_s: float) -> dict:
@@ -421,13 +340,14 @@ class Trainer:
                 if self.log:
                     self.log.log(record)
                     if bar is None or bar.disable:  # batch jobs: one line per logged step instead
-                        print(self._log_line(record, end_step, (time.perf_counter() - start) / (self.step - first_step)),
-                              flush=True)
+                        seconds_per_step = (time.perf_counter() - start) / (self.step - first_step)
+                        print(self._log_line(record, end_step, seconds_per_step), flush=True)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.3f}" if record["loss"] is not None else "-",
                                 tok_s=f"{tokens_per_s:.0f}")
-            if r.checkpoint.enabled and r.checkpoint.every_steps and self.step % r.checkpoint.every_steps == 0 and not last:
+            every = r.checkpoint.every_steps
+            if r.checkpoint.enabled and every and self.step % every == 0 and not last:
                 self.save()
         if bar is not None:
             bar.close()
@@ -440,7 +360,7 @@ class Trainer:
             self.save()
         manifest = self.manifest("finished" if finished else "stopped", time.perf_counter() - start)
         if finished and r.checkpoint.export_hf:
-            final = export_final(self.model, self.config, self.out_dir / "final", manifest)
+            final = export_final(self.parallel, self.config, self.out_dir / "final", manifest)
             if final is not None and r.data.source != "synthetic":  # evaluation needs the tokenizer beside the weights
                 from ..eval.model import attach_tokenizer
 

@@ -1,0 +1,121 @@
+"""NemotronH's mixture of experts: a sigmoid top-k router, routed relu² experts, a shared expert.
+
+The routed experts are stacked (`experts.up_proj` [E, I, H], `experts.down_proj` [E, H, I], the
+transformers-native names) and run as one grouped GEMM per projection over the tokens sorted by
+expert. `hf_io` loads and saves both checkpoint layouts into this one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import NemotronHConfig
+from .mlp import MLP
+
+
+class TopKRouter(nn.Module):
+    """Sigmoid scores; a bias steers which experts are chosen but not how much they weigh.
+
+    `e_score_correction_bias` is the auxiliary-loss-free load-balancing bias (a buffer, updated
+    outside backprop). With `n_group > 1` a token first keeps the `topk_group` groups whose two
+    best experts score highest, then picks its `top_k` experts inside them. The weights come from
+    the unbiased scores, renormalised when `norm_topk_prob`, times `routed_scaling_factor`.
+    Everything runs in float32, autocast or not: routing decisions are sensitive to rounding.
+    """
+
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ValueError("NemotronHConfig: group-limited routing needs at least 2 experts per group")
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (topk_idx [N, k] int64, topk_weight [N, k] float32)."""
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            kept = group_scores.topk(self.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            choice = grouped.masked_fill(~group_mask[..., None], -torch.inf).flatten(1)
+        topk_idx = choice.topk(self.top_k, dim=-1).indices
+        topk_weight = scores.gather(1, topk_idx)
+        if self.norm_topk_prob:
+            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_idx, topk_weight * self.routed_scaling_factor
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows `offsets[j-1]:offsets[j]` of x [M, K] times weight[j] [K, N], for every expert j.
+
+    `torch._grouped_mm` (one kernel) where it runs: bf16 on Hopper or newer, and on CPU; both want
+    rows of K and N a multiple of 16 bytes. Elsewhere (fp32 on CUDA, older GPUs, odd sizes) a loop
+    over the contiguous groups, with one host sync for their sizes.
+    """
+    aligned = all(size * x.element_size() % 16 == 0 for size in (x.shape[-1], weight.shape[-1]))
+    if hasattr(torch, "_grouped_mm") and aligned and (
+        x.device.type == "cpu"
+        or (x.dtype == torch.bfloat16 and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    ):
+        return torch._grouped_mm(x, weight, offs=offsets.to(torch.int32))
+    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
+    return torch.cat([rows @ w for rows, w in zip(x.split(sizes), weight)])
+
+
+class GroupedExperts(nn.Module):
+    """All routed experts of a layer, stacked: relu² MLPs run as two grouped GEMMs.
+
+    The (token, slot) pairs are sorted by expert (a stable argsort of the flat top-k indices), so
+    each expert's tokens are contiguous; the outputs are weighted by the router and added back
+    to their tokens with `index_add_`. No host sync on the grouped-GEMM path: the counts come
+    from `scatter_add_`, whose size is known, not `bincount`.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        flat = topk_idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // topk_idx.shape[1]
+        counts = torch.zeros(self.up_proj.shape[0], dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        offsets = counts.cumsum(0)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        up, down = self.up_proj.to(dtype), self.down_proj.to(dtype)
+        hidden = F.relu(grouped_mm(x[token].to(dtype), up.transpose(1, 2), offsets)).square()
+        out = grouped_mm(hidden, down.transpose(1, 2), offsets)
+        weighted = out.to(topk_weight.dtype) * topk_weight.reshape(-1)[order, None]
+        combined = torch.zeros(x.shape[0], out.shape[1], dtype=weighted.dtype, device=x.device)
+        return combined.index_add_(0, token, weighted).to(x.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        self.gate = TopKRouter(config)
+        self.experts = GroupedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_experts = MLP(config.hidden_size, config.moe_shared_expert_intermediate_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        topk_idx, topk_weight = self.gate(tokens)
+        routed = self.routed_experts(tokens, topk_idx, topk_weight)
+        return routed.view_as(x) + self.shared_experts(x)
+
+    def routed_experts(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        """sum_k topk_weight[:, k] * expert_{topk_idx[:, k]}(x), all experts at once."""
+        return self.experts(x, topk_idx, topk_weight)

@@ -1,0 +1,68 @@
+"""`onenode`'s import errors: a missing optional dependency says which extra to install, in one
+line; an import broken inside the kit itself keeps its traceback."""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from onenode import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def subcommand(tmp_path, monkeypatch):
+    """Registers a subcommand module with the given source, as `onenode probe`."""
+
+    def make(source: str) -> None:
+        (tmp_path / "probe_command.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.delitem(sys.modules, "probe_command", raising=False)
+        monkeypatch.setitem(cli.SUBCOMMANDS, "probe", "probe_command")
+
+    return make
+
+
+REGISTER = """
+def register(subparsers):
+    subparsers.add_parser("probe").set_defaults(func=run)
+"""
+
+
+def test_missing_extra_at_import_lists_the_command_and_says_what_to_install(subcommand, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    subcommand("import matplotlib\n" + REGISTER + "def run(args):\n    return 0\n")
+    assert "unavailable: needs matplotlib" in cli.build_parser().format_help()
+    assert cli.main(["probe", "--any", "options"]) == 2
+    err = capsys.readouterr().err
+    assert err == "onenode probe: needs matplotlib, which is not installed: pip install 'onenode[course]'\n"
+
+
+def test_missing_extra_at_run_time_says_what_to_install(subcommand, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    subcommand(REGISTER + "def run(args):\n    import lm_eval.tasks\n")
+    assert cli.main(["probe"]) == 2
+    assert capsys.readouterr().err == "onenode probe: needs lm_eval, which is not installed: pip install 'onenode[eval]'\n"
+
+
+@pytest.mark.parametrize("source", ["import onenode.no_such_module\n" + REGISTER,
+                                    REGISTER + "def run(args):\n    from onenode.model import no_such_name\n"],
+                         ids=["at-import", "at-run-time"])
+def test_broken_import_inside_the_kit_keeps_its_traceback(subcommand, source):
+    subcommand(source)
+    with pytest.raises(ImportError, match="no_such"):
+        cli.main(["probe"])
+
+
+def test_extras_table_matches_pyproject():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    declared = {}
+    for extra, requirements in extras.items():
+        for requirement in requirements if extra != "dev" else []:
+            name = requirement.split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip()
+            declared[name.lower().replace("-", "_")] = extra
+    assert cli.EXTRAS == declared
