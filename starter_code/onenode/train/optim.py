@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .weight_decay import no_weight_decay as _no_weight_decay  # the name build_muon calls
+from .weight_decay import param_groups
 
 # Parameter names that stay on AdamW whatever their shape: token-level lookups and the router,
 # whose rows are per-class scores rather than a hidden linear map.
@@ -137,25 +137,16 @@ def build_muon(
     ns_precision: str = "bfloat16",
 ) -> OptimizerList:
     """Muon on the 2-D hidden matrices, AdamW (decay on matrices only) on the rest, one lr."""
-    if not hasattr(torch.optim, "Muon"):
-        raise RuntimeError(f"torch {torch.__version__} has no torch.optim.Muon: install torch >= 2.9 or use adamw")
-    muon, decay, no_decay = [], [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if is_muon_param(name, param):
-            muon.append(param)
-        else:
-            (no_decay if _no_weight_decay(name, param) else decay).append(param)
+    named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    muon = [param for name, param in named if is_muon_param(name, param)]
+    rest = [(name, param) for name, param in named if not is_muon_param(name, param)]
     optimizers = []
     if muon:
         optimizers.append(Muon(
             muon, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_precision=ns_precision,
         ))
-    adamw_groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
-                                {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    optimizers.append(torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps, foreach=True))
+    optimizers.append(torch.optim.AdamW(param_groups(rest, weight_decay), lr=lr, betas=betas, eps=eps, foreach=True))
     return OptimizerList(optimizers)
 
 

@@ -41,7 +41,8 @@ def build_optimizer(
     if name != "adamw":
         raise ValueError(f"unknown optimizer {name!r}: use 'adamw' or 'muon'")
     # foreach is faster on GPU and fine with DTensor parameters from FSDP2 and EP.
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, foreach=True)
+    groups = param_groups(model.named_parameters(), weight_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
 
 
 def _grads_by_mesh(grads: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
