@@ -20,15 +20,12 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import GraderError
 from .report import test_entry
 from .rubric import KIT_ROOT, Part, Profile, Rubric
 from .runner import Session, SessionResult, run_sessions
 from .sandbox import make_private
 from .submission import Submission, pristine_tree
-
-
-class GraderError(RuntimeError):
-    """The grading job itself cannot go on (the kit or the machine, not a submission)."""
 
 
 # -- the job and its reference -----------------------------------------------------------------

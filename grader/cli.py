@@ -34,8 +34,8 @@ def _job(args):
 
 
 def _run_a1(args) -> int:
-    from .a1 import GraderError
     from .cohort import grade_cohort, grade_one, table
+    from .errors import GraderError
 
     if (args.submission is None) == (args.cohort is None):
         raise SystemExit("onenode-grade a1: pass either one SUBMISSION or --cohort DIR")
@@ -72,7 +72,7 @@ def _run_demo(args) -> int:
 
 # -- release and export: grader/release.py, grader/export.py ----------------------------------
 def _run_release(args) -> int:
-    from .a1 import GraderError
+    from .errors import GraderError
     from .release import release
 
     try:
@@ -85,7 +85,7 @@ def _run_release(args) -> int:
 
 
 def _run_export(args) -> int:
-    from .a1 import GraderError
+    from .errors import GraderError
     from .export import export
 
     try:

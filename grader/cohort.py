@@ -20,9 +20,10 @@ import time
 import traceback
 from pathlib import Path
 
-from .a1 import GraderError, Job, grade, zero_tests
+from .a1 import Job, grade, zero_tests
+from .errors import GraderError, SubmissionError
 from .report import environment, results_json, write_submission_results
-from .submission import ARCHIVE_SUFFIXES, SubmissionError, load_submission, patched_tree, submission_name
+from .submission import ARCHIVE_SUFFIXES, load_submission, patched_tree, submission_name
 
 CSV_NUMBERS = ("moe_speedup", "ep_tokens_per_s", "ep_step_speedup", "expert_allgather_ratio", "pp_tokens_per_s")
 _PARTIAL = ".partial-"

@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .a1 import GraderError
+from .errors import GraderError
 from .report import test_entry
 from .rubric import KIT_ROOT
 from .sandbox import Limits, make_private, make_scratch, run_sandboxed

@@ -19,6 +19,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from .errors import SubmissionError
 from .rubric import KIT_ROOT
 
 PATCH_NAME = "submission.patch"
@@ -33,10 +34,6 @@ _REGULAR_MODES = {"100644", "100755"}
 _GIT_HEADER_PATHS = re.compile(r"^(rename|copy) (from|to) (.+)$")
 _HUNK = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 _MODE_LINE = re.compile(r"^(new file mode|deleted file mode|old mode|new mode|index \S+) ?(\d{6})?$")
-
-
-class SubmissionError(ValueError):
-    """A submission that cannot be graded, with a one-line reason that says what to do."""
 
 
 @dataclass
