@@ -24,7 +24,7 @@ STARTER_LOGS = ".starter-logs"
 
 def _job(args):
     """The job: a private scratch folder, the starter's logs in OUT/.starter-logs."""
-    from .a1 import new_job
+    from .a1.scoring import new_job
     from .sandbox import make_private
 
     rubric = load_rubric(args.rubric)
@@ -62,7 +62,7 @@ def _run_a1(args) -> int:
 
 
 def _run_demo(args) -> int:
-    from .demo import build_cohort
+    from .a1.demo import build_cohort
 
     out = Path(args.out)
     build_cohort(out / "cohort")

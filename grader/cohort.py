@@ -20,7 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .a1 import Job, grade, zero_tests
+from .a1.scoring import Job, grade, zero_tests
 from .errors import GraderError, SubmissionError
 from .report import environment, results_json, write_submission_results
 from .submission import ARCHIVE_SUFFIXES, load_submission, patched_tree, submission_name

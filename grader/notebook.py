@@ -198,7 +198,7 @@ def without_hidden_tests(executed: bytes) -> bytes:
     return nbformat.writes(nb).encode("utf-8")
 
 
-# -- the score hook of grader/a1.py ------------------------------------------------------------
+# -- the score hook of the assignments' scoring -------------------------------------------------
 @dataclass
 class _Graded:
     tests: list[dict]

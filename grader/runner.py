@@ -21,7 +21,7 @@ from pathlib import Path
 from .rubric import KIT_ROOT, Profile
 from .sandbox import Limits, SandboxedProcess, SandboxError, make_scratch, spawn_sandboxed
 
-HARNESS = Path(__file__).with_name("harness.py")
+HARNESS = Path(__file__).with_name("a1") / "harness.py"
 COLLECTIVES = KIT_ROOT / "a1_infra" / "tests" / "collectives.py"  # the kit's own: the harness imports it
 LOG_TAIL_LINES = 30
 DIED = "the child stopped answering"

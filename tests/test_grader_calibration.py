@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from grader import a1
-from grader.a1 import new_job
+from grader.a1 import scoring as a1
+from grader.a1.scoring import new_job
 from grader.cohort import grade_cohort, grade_one, part_scores
-from grader.demo import MANIFEST, SOLUTIONS, build_cohort
+from grader.a1.demo import MANIFEST, SOLUTIONS, build_cohort
 from grader.rubric import load_rubric, tomllib
 from grader.submission import load_submission, patched_tree
 

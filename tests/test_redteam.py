@@ -16,7 +16,7 @@ import pytest
 from redteam.cases import CASES, PAYLOADS, STARTER, Case, folder
 
 cohort = pytest.importorskip("grader.cohort", reason="waiting for the grader core (grader/cohort.py)")
-a1 = pytest.importorskip("grader.a1", reason="waiting for the grader core (grader/a1.py)")
+a1 = pytest.importorskip("grader.a1.scoring", reason="waiting for the grader core (grader/a1/scoring.py)")
 from grader.rubric import load_rubric  # noqa: E402
 from grader.sandbox import make_private  # noqa: E402
 

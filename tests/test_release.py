@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from grader import a1 as grader_a1
+from grader.a1 import scoring as grader_a1
 from grader import notebook
 from grader.export import export
 from grader.release import ReleaseError, leaks, release, student_pyproject

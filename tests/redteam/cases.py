@@ -52,7 +52,7 @@ def append_to(kit: Path, path: str, code: str) -> str:
 
 
 # What the patches below would plant in the kit's own files if the grader let them through.
-PAYLOADS = {"grader/a1.py": "STEPS.clear()", "a1_infra/rubric.toml": "[parts.bonus]",
+PAYLOADS = {"grader/a1/scoring.py": "STEPS.clear()", "a1_infra/rubric.toml": "[parts.bonus]",
             "tests/conftest.py": "collect_ignore = ['.']", "grader/rubric.py": "RUBRIC_PATH = None"}
 
 
@@ -230,14 +230,15 @@ BINARY_PATCH = (f"diff --git a/{STARTER}/model/moe.py b/{STARTER}/model/moe.py\n
                 "index 1111111..2222222 100644\nGIT binary patch\nliteral 4\nLcmZ?wbN&AT00031\n\n")
 
 CASES: list[Case] = [
-    _patch_case("dotdot-path", lambda kit: plant(kit, "grader/a1.py").replace(
-        "/grader/a1.py", f"/{STARTER}/../../grader/a1.py"), r"absolute and '\.\.' paths are not allowed"),
-    _patch_case("absolute-path", lambda kit: plant(kit, "grader/a1.py").replace(
+    _patch_case("dotdot-path", lambda kit: plant(kit, "grader/a1/scoring.py").replace(
+        "/grader/a1/scoring.py", f"/{STARTER}/../../grader/a1/scoring.py"),
+                r"absolute and '\.\.' paths are not allowed"),
+    _patch_case("absolute-path", lambda kit: plant(kit, "grader/a1/scoring.py").replace(
         " a/grader/", f" {kit}/grader/").replace(" b/grader/", f" {kit}/grader/"),
                 r"absolute and '\.\.' paths are not allowed"),
     _patch_case("symlink-in-patch", lambda kit: SYMLINK_PATCH, r"mode 120000 \(a symlink"),
-    _patch_case("edits-grader", lambda kit: plant(kit, "grader/a1.py"),
-                r"touches 'grader/a1\.py': only \.py files under starter_code/onenode/"),
+    _patch_case("edits-grader", lambda kit: plant(kit, "grader/a1/scoring.py"),
+                r"touches 'grader/a1/scoring\.py': only \.py files under starter_code/onenode/"),
     _patch_case("edits-rubric", lambda kit: plant(kit, "a1_infra/rubric.toml"),
                 r"touches 'a1_infra/rubric\.toml'"),
     _patch_case("edits-tests", lambda kit: plant(kit, "tests/conftest.py"),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .rubric import KIT_ROOT, tomllib
-from .submission import NOTEBOOK_NAME, PATCH_NAME
+from ..rubric import KIT_ROOT, tomllib
+from ..submission import NOTEBOOK_NAME, PATCH_NAME
 
 MANIFEST = KIT_ROOT / "examples" / "a1-cohort" / "cohort.toml"
 SOLUTIONS = KIT_ROOT / "solutions" / "a1"

@@ -20,12 +20,12 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import GraderError
-from .report import test_entry
-from .rubric import KIT_ROOT, Part, Profile, Rubric
-from .runner import Session, SessionResult, run_sessions
-from .sandbox import make_private
-from .submission import Submission, pristine_tree
+from ..errors import GraderError
+from ..report import test_entry
+from ..rubric import KIT_ROOT, Part, Profile, Rubric
+from ..runner import Session, SessionResult, run_sessions
+from ..sandbox import make_private
+from ..submission import Submission, pristine_tree
 
 
 # -- the job and its reference -----------------------------------------------------------------
@@ -107,7 +107,7 @@ class Job:
                                   f"rtol {self.profile.rtol:g}): the profile's tolerance is too tight for this machine")
             if not all(d["bytes"].get("all_gather") for d in ep.digests):
                 raise GraderError("the collective counter saw no all-gather in the starter's ep run: "
-                                  "torch.distributed's API changed? (grader/harness.py COLLECTIVES)")
+                                  "torch.distributed's API changed? (a1_infra/tests/collectives.py COLLECTIVES)")
         return Reference(tree, runs["moe"], runs["reference"], ep, moe_weights, model_weights)
 
 
@@ -317,7 +317,7 @@ def grade_pp(ctx: Context) -> None:
 
 def grade_notebook(ctx: Context) -> None:
     """The report notebook, autograded under nbgrader by `grader/notebook.py`."""
-    from . import notebook
+    from .. import notebook
 
     ctx.tests += notebook.grade(ctx.submission.notebook, ctx.logs)
 
