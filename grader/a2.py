@@ -27,9 +27,10 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from .report import test_entry
-from .rubric import KIT_ROOT, pick_profile, tier_share, tomllib
+from .rubric import KIT_ROOT, Profile, Rubric, read_toml, tier_share
 
 A2_RUBRIC_PATH = KIT_ROOT / "a2_pretrain" / "rubric.toml"
 CHECKPOINT_DIRS = ("final", "checkpoint")
@@ -43,15 +44,9 @@ class A2SubmissionError(ValueError):
 
 # -- rubric ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class A2Profile:
-    name: str
-    description: str
+class A2Profile(Profile):
     token_budget: int
     suite: str
-    device: str
-    threads: int
-    timeout_s: float
-    memory_mb: int
     benchmark_tiers: list
     heldout_tiers: list
     max_length: int = 2048
@@ -62,24 +57,22 @@ class A2Profile:
     baseline_checkpoint: str | None = None
     hf_home: str | None = None
 
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
 
 @dataclass(frozen=True)
-class A2Rubric:
+class A2Rubric(Rubric):
     points: dict
-    profiles: dict
+    kind: ClassVar[str] = "A2 profile"
 
-    def profile(self, name: str) -> A2Profile:
-        return pick_profile(self.profiles, name, "A2 profile")
+    def zero_tests(self, reason: str) -> list[dict]:
+        return [test_entry(title, 0, self.points[key], reason, key) for key, title in
+                (("budget", "Token budget and run audit"), ("benchmarks", "Benchmarks vs baseline"),
+                 ("heldout", "Held-out perplexity vs baseline"))]
 
 
 def load_a2_rubric(path: str | Path = A2_RUBRIC_PATH) -> A2Rubric:
-    with open(path, "rb") as f:
-        raw = tomllib.load(f)
+    raw = read_toml(path)
     profiles = {name: A2Profile(name=name, **spec) for name, spec in raw["profiles"].items()}
-    return A2Rubric({k: float(v) for k, v in raw["points"].items()}, profiles)
+    return A2Rubric(profiles, {k: float(v) for k, v in raw["points"].items()})
 
 
 # -- intake ------------------------------------------------------------------------------------
@@ -475,15 +468,9 @@ def grade_a2_submission(job: A2Job, path: Path, logs: Path) -> tuple[A2Result, d
     return result, {"run": run_facts(sub), "audit": [c.__dict__ for c in checks]}
 
 
-def zero_a2_tests(rubric: A2Rubric, reason: str) -> list[dict]:
-    return [test_entry(title, 0, rubric.points[key], reason, key) for key, title in
-            (("budget", "Token budget and run audit"), ("benchmarks", "Benchmarks vs baseline"),
-             ("heldout", "Held-out perplexity vs baseline"))]
-
-
 def grade_one_a2(path: Path, job: A2Job, out: Path) -> dict:
     """Grade one submission into `out/<name>/` atomically (like A1's cohort) and return results."""
-    from .cohort import _publish
+    from .cohort import publish
     from .report import environment, results_json, write_submission_results
 
     start = time.monotonic()
@@ -498,15 +485,15 @@ def grade_one_a2(path: Path, job: A2Job, out: Path) -> dict:
         tests, leaderboard, failures, output = result.tests, result.leaderboard, result.failures, result.output
         extra.update(numbers=result.numbers, **facts)
     except A2SubmissionError as e:
-        tests, leaderboard, output = zero_a2_tests(job.rubric, f"not graded: {e}"), [], f"Not graded: {e}"
+        tests, leaderboard, output = job.rubric.zero_tests(f"not graded: {e}"), [], f"Not graded: {e}"
     except Exception as e:  # a grader bug must not cost the cohort: record it, re-grade on resume
         (logs / "grader-error.txt").write_text(traceback.format_exc())
-        tests, leaderboard = zero_a2_tests(job.rubric, "grader error (not your fault): a TA will re-grade"), []
+        tests, leaderboard = job.rubric.zero_tests("grader error (not your fault): a TA will re-grade"), []
         output = f"Grader error (not your fault): {type(e).__name__}: {e}"
         extra["grader_error"] = True
     results = results_json(name, tests, leaderboard, time.monotonic() - start, output, extra)
     write_submission_results(staging, results, failures, environment(job.profile, SUITE_SEED))
-    _publish(staging, out / name)
+    publish(staging, out / name)
     return results
 
 

@@ -37,6 +37,15 @@ def results_json(name: str, tests: list[dict], leaderboard: list[dict], executio
     }
 
 
+def part_scores(results: dict) -> dict[str, float]:
+    """A results.json's score per tag (each part, the notebook)."""
+    scores: dict[str, float] = {}
+    for t in results["tests"]:
+        for tag in t["tags"]:
+            scores[tag] = scores.get(tag, 0) + t["score"]
+    return scores
+
+
 def feedback_markdown(results: dict, failures: dict[str, str]) -> str:
     extra = results["extra_data"]
     lines = [f"# A1 feedback: {extra['submission']}", "",

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from grader.a1 import scoring as grader_a1
-from grader import notebook
+from grader import notebook, report
 from grader.export import export
 from grader.release import ReleaseError, leaks, release, student_pyproject
 from grader.report import results_json
@@ -125,7 +124,7 @@ def test_full_notebook_cycle(a1_release, tmp_path):
     for name, path in submissions.items():
         logs = results / name / "logs"
         logs.mkdir(parents=True)
-        tests = notebook.grade(path, logs) + [grader_a1.test_entry("Part 1: fused MoE experts: correctness", 4, 4, "ok", "moe")]
+        tests = notebook.grade(path, logs) + [report.test_entry("Part 1: fused MoE experts: correctness", 4, 4, "ok", "moe")]
         results_json_ = results_json(name, tests, [], 1.0, "", {"profile": "cpu-tiny", "seed": 0})
         (results / name / "results.json").write_text(json.dumps(results_json_))
         if name == "broken_student":

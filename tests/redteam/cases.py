@@ -53,7 +53,7 @@ def append_to(kit: Path, path: str, code: str) -> str:
 
 # What the patches below would plant in the kit's own files if the grader let them through.
 PAYLOADS = {"grader/a1/scoring.py": "STEPS.clear()", "a1_infra/rubric.toml": "[parts.bonus]",
-            "tests/conftest.py": "collect_ignore = ['.']", "grader/rubric.py": "RUBRIC_PATH = None"}
+            "tests/conftest.py": "collect_ignore = ['.']", "grader/a1/rubric.py": "RUBRIC_PATH = None"}
 
 
 def plant(kit: Path, path: str) -> str:
@@ -245,7 +245,7 @@ CASES: list[Case] = [
                 r"touches 'tests/conftest\.py'"),
     _patch_case("deletes-tests", lambda kit: diff(kit, "tests/conftest.py", None), r"touches 'tests/conftest\.py'"),
     _patch_case("smuggled-second-file", lambda kit: append_to(kit, f"{STARTER}/__init__.py", "# tidy")
-                + plant(kit, "grader/rubric.py"), r"touches 'grader/rubric\.py'"),
+                + plant(kit, "grader/a1/rubric.py"), r"touches 'grader/a1/rubric\.py'"),
     _patch_case("rename-out-of-tree", lambda kit: (f"diff --git a/{STARTER}/cli.py b/grader/cli.py\n"
                                                    "similarity index 100%\nrename from "
                                                    f"{STARTER}/cli.py\nrename to grader/cli.py\n"),
