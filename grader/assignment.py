@@ -56,3 +56,6 @@ class Assignment:
     grade: Callable[[Job, Path, Path, Path], Graded]
     csv_columns: Callable[[dict], dict]  # a results.json -> its cohort.csv columns between the score and the note
     table: Callable[[list[dict]], list[list[str]]]  # cohort.csv rows -> the terminal table, header first
+    leaderboard_title: str
+    leaderboard_columns: Callable[[list], list[tuple]]  # its entries -> [(header, read a results.json, format)]
+    leaderboard_plots: tuple[tuple[str, Callable], ...] = ()  # (PNG name, plot(entries, path, pyplot) -> drawn)

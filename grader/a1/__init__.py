@@ -36,5 +36,6 @@ A1 = Assignment(
     name="a1", label="A1", help="grade A1 submissions (a folder or archive, or a cohort)",
     submission_help="submission folder or .zip/.tar.gz archive", archives=True,
     rubric_path=RUBRIC_PATH, load_rubric=load_rubric, add_options=add_options, new_job=job_from_args, grade=grade,
-    csv_columns=tables.csv_columns, table=tables.table,
+    csv_columns=tables.csv_columns, table=tables.table, leaderboard_title="A1: a fast training stack",
+    leaderboard_columns=tables.leaderboard_columns, leaderboard_plots=(("a1_throughput.png", tables.plot_throughput),),
 )
