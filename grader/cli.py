@@ -116,7 +116,8 @@ def _run_export(args) -> int:
         print(f"onenode-grade: {e}", file=sys.stderr)
         return 1
     pending = sum(1 for row in rows if row["needs_manual_grade"] is True)
-    print(f"{len(rows)} students: {args.csv}" + (f" ({pending} with written answers still to grade)" if pending else ""))
+    still = f" ({pending} with written answers still to grade)" if pending else ""
+    print(f"{len(rows)} students: {args.csv}{still}")
     return 0
 
 
@@ -125,7 +126,8 @@ def _add_release_export(sub) -> None:
     release.add_argument("assignment", choices=["a1", "a2"])
     release.add_argument("--out", required=True, help="the student repository to create")
     release.add_argument("--course", required=True,
-                         help="nbgrader course working folder for TAs (gradebook.db, source/, release/); keep it private")
+                         help="nbgrader course working folder for TAs (gradebook.db, source/, release/); "
+                              "keep it private")
     release.add_argument("--force", action="store_true", help="replace a non-empty --out")
     release.set_defaults(func=_run_release)
     export = sub.add_parser("export", help="grade sheet: autograder results merged with the nbgrader gradebook")

@@ -117,13 +117,20 @@ table{border-collapse:collapse;margin:1em 0}th,td{padding:.3em .7em;border-botto
 th:first-child,td:first-child{text-align:left}th{cursor:pointer;background:#f4f4f4;user-select:none}
 th.asc::after{content:" \\25B2"}th.desc::after{content:" \\25BC"}img{max-width:100%;display:block;margin:1em 0}
 .note{color:#666}"""
-_SORT_JS = """document.querySelectorAll("table.sortable th").forEach(function(th,col){
-th.addEventListener("click",function(){var body=th.closest("table").tBodies[0];
-var asc=!th.classList.contains("asc");th.parentNode.querySelectorAll("th").forEach(function(h){h.classList.remove("asc","desc")});
-th.classList.add(asc?"asc":"desc");var key=function(tr){var td=tr.children[col];var v=td.getAttribute("data-value");
-return v!==null&&v!==""?parseFloat(v):td.textContent.toLowerCase()};
-Array.from(body.rows).sort(function(a,b){var x=key(a),y=key(b);if(x===y)return 0;
-if(typeof x!==typeof y)return typeof x==="number"?-1:1;return (x<y?-1:1)*(asc?1:-1)}).forEach(function(tr){body.appendChild(tr)})})});"""
+_SORT_JS = (
+    'document.querySelectorAll("table.sortable th").forEach(function(th,col){\n'
+    'th.addEventListener("click",function(){var body=th.closest("table").tBodies[0];\n'
+    'var asc=!th.classList.contains("asc");'
+    'th.parentNode.querySelectorAll("th").forEach(function(h){h.classList.remove("asc","desc")});\n'
+    'th.classList.add(asc?"asc":"desc");'
+    'var key=function(tr){var td=tr.children[col];var v=td.getAttribute("data-value");\n'
+    'return v!==null&&v!==""?parseFloat(v):td.textContent.toLowerCase()};\n'
+    'Array.from(body.rows).sort(function(a,b){var x=key(a),y=key(b);if(x===y)return 0;\n'
+    'if(typeof x!==typeof y)return typeof x==="number"?-1:1;return (x<y?-1:1)*(asc?1:-1)})'
+    '.forEach(function(tr){body.appendChild(tr)})})});'
+)
+_NOTE = ('Click a column header to sort. A2 runs marked "no" under verified failed the budget audit and earn no '
+         'benchmark points.')
 
 
 def build_site(folders: list[Path], out: Path, assignments: list[Assignment]) -> Path:
@@ -150,14 +157,15 @@ def build_site(folders: list[Path], out: Path, assignments: list[Assignment]) ->
             for name, plot in assignment.leaderboard_plots:
                 if plot(group, out / name, plt):
                     images += f'<img src="{name}" alt="{e(name[:-4].replace("_", " "))}">'
-        sections.append(f"<h2>{e(title)}</h2><p class='note'>{e(note)}</p>{html_table(assignment.name, rows, columns)}{images}")
+        table = html_table(assignment.name, rows, columns)
+        sections.append(f"<h2>{e(title)}</h2><p class='note'>{e(note)}</p>{table}{images}")
         markdown += [f"## {title}", "", note, "", markdown_table(rows, columns), ""]
     page = out / "index.html"
     page.write_text(f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>OneNode leaderboard</title>
 <style>{_STYLE}</style></head><body>
 <h1>OneNode leaderboard</h1>
-<p class="note">Click a column header to sort. A2 runs marked "no" under verified failed the budget audit and earn no benchmark points.
+<p class="note">{_NOTE}
 The same tables are in <a href="leaderboard.md">leaderboard.md</a>.</p>
 {''.join(sections)}
 <script>{_SORT_JS}</script>

@@ -65,6 +65,12 @@ def feedback_markdown(results: dict, failures: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_FEEDBACK_STYLE = ("body{font-family:sans-serif;max-width:60em;margin:2em auto}"
+                   "td{padding:.3em .6em;vertical-align:top}\n"
+                   "tr.passed td:first-child{color:#186a1d}tr.failed td:first-child{color:#a21}"
+                   "pre{background:#f4f4f4;padding:1em;overflow:auto}")
+
+
 def feedback_html(results: dict, failures: dict[str, str]) -> str:
     e = html.escape
     extra = results["extra_data"]
@@ -75,8 +81,7 @@ def feedback_html(results: dict, failures: dict[str, str]) -> str:
     logs = "".join(f"<h2>What went wrong: {e(name)} run</h2><pre>{e(text)}</pre>" for name, text in failures.items())
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>A1 feedback: {e(extra['submission'])}</title>
-<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}td{{padding:.3em .6em;vertical-align:top}}
-tr.passed td:first-child{{color:#186a1d}}tr.failed td:first-child{{color:#a21}}pre{{background:#f4f4f4;padding:1em;overflow:auto}}</style>
+<style>{_FEEDBACK_STYLE}</style>
 </head><body><h1>A1 feedback: {e(extra['submission'])}</h1>
 <p><b>Score: {results['score']:g} / {extra['max_score']:g}</b> (profile <code>{e(extra['profile'])}</code>,
 grading seed {extra['seed']}, {results['execution_time']:g} s)</p><p>{e(results['output'])}</p>
@@ -122,7 +127,8 @@ def environment(profile: Profile, seed: int) -> dict:
     return {
         "machine": {"host": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
                     "gpus": _gpus()},
-        "versions": {"python": sys.version.split()[0], **{p: _version(p) for p in ("torch", "transformers", "onenode")}},
+        "versions": {"python": sys.version.split()[0],
+                     **{p: _version(p) for p in ("torch", "transformers", "onenode")}},
         "kit_commit": _kit_commit(),
         "profile": profile.as_dict(),
         "seed": seed,

@@ -132,7 +132,7 @@ def _uid_pool() -> range:
     try:
         first, last = (int(x) for x in spec.split("-"))
     except ValueError:
-        raise SandboxError(f"ONENODE_SANDBOX_UIDS={spec!r}: expected FIRST-LAST, e.g. 60100-60163")
+        raise SandboxError(f"ONENODE_SANDBOX_UIDS={spec!r}: expected FIRST-LAST, e.g. 60100-60163") from None
     return range(first, last + 1)
 
 
@@ -373,7 +373,7 @@ def _wait_gpu_released(pids: set[int], timeout_s: float = 15.0) -> None:
             return
         time.sleep(0.5)
     warnings.warn(f"sandbox: GPU contexts of killed pids {sorted(pids)} still listed by nvidia-smi "
-                  f"after {timeout_s:g} s; the next submission may see less GPU memory", RuntimeWarning)
+                  f"after {timeout_s:g} s; the next submission may see less GPU memory", RuntimeWarning, stacklevel=2)
 
 
 class _UidLease:

@@ -1,8 +1,7 @@
 """Every module of `grader` and `onenode` imports on its own, and neither package has an import
-cycle: none at import time (each module imported alone in a fresh process, as by `python -c
-"import X"`) and
-none in its code at all (a graph of every import inside the package, those inside functions too:
-a lazy import that closes a cycle still ties the two modules together)."""
+cycle: none at import time (each module imported alone in a fresh process, as by
+`python -c "import X"`) and none in its code at all (a graph of every import inside the package,
+those inside functions too: a lazy import that closes a cycle still ties two modules together)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ def evaluate_sandboxed(checkpoint: Path, profile: A2Profile, suite_dir: Path | N
         if suite_dir is not None:
             shutil.copytree(suite_dir, scratch / "suite")
             _retarget_tasks(scratch / "suite")
-            argv += ["--tasks-dir", "suite", "--val-text", "suite/heldout.txt", "--val-seq-len", str(profile.max_length)]
+            argv += ["--tasks-dir", "suite", "--val-text", "suite/heldout.txt",
+                     "--val-seq-len", str(profile.max_length)]
         env = {"OMP_NUM_THREADS": str(profile.threads), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
         if profile.hf_home:
             env["HF_HOME"] = profile.hf_home
