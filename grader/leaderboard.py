@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .assignment import Assignment
+from .report import assignment_label
 
 
 def number(results: dict, key: str):
@@ -32,8 +33,7 @@ class Entry:
 
     @property
     def assignment(self) -> str:
-        """Its assignment's label; results written before the grader recorded it are A1's."""
-        return self.results["extra_data"].get("assignment", "A1")
+        return assignment_label(self.results)
 
 
 def read_cohorts(folders: list[Path]) -> list[Entry]:

@@ -46,9 +46,15 @@ def part_scores(results: dict) -> dict[str, float]:
     return scores
 
 
+def assignment_label(results: dict) -> str:
+    """The label of the assignment a results.json belongs to ("A1", "A2"); results written
+    before the grader recorded it are A1's."""
+    return results["extra_data"].get("assignment", "A1")
+
+
 def feedback_markdown(results: dict, failures: dict[str, str]) -> str:
     extra = results["extra_data"]
-    lines = [f"# A1 feedback: {extra['submission']}", "",
+    lines = [f"# {assignment_label(results)} feedback: {extra['submission']}", "",
              f"**Score: {results['score']:g} / {extra['max_score']:g}** "
              f"(profile `{extra['profile']}`, grading seed {extra['seed']}, {results['execution_time']:g} s)", ""]
     if results["output"]:
@@ -80,9 +86,9 @@ def feedback_html(results: dict, failures: dict[str, str]) -> str:
     numbers = "".join(f"<li>{e(x['name'])}: {x['value']:g}</li>" for x in results["leaderboard"])
     logs = "".join(f"<h2>What went wrong: {e(name)} run</h2><pre>{e(text)}</pre>" for name, text in failures.items())
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>A1 feedback: {e(extra['submission'])}</title>
+<html><head><meta charset="utf-8"><title>{assignment_label(results)} feedback: {e(extra['submission'])}</title>
 <style>{_FEEDBACK_STYLE}</style>
-</head><body><h1>A1 feedback: {e(extra['submission'])}</h1>
+</head><body><h1>{assignment_label(results)} feedback: {e(extra['submission'])}</h1>
 <p><b>Score: {results['score']:g} / {extra['max_score']:g}</b> (profile <code>{e(extra['profile'])}</code>,
 grading seed {extra['seed']}, {results['execution_time']:g} s)</p><p>{e(results['output'])}</p>
 <table><tr><th>test</th><th>score</th><th>what was measured</th></tr>{rows}</table>
