@@ -152,7 +152,8 @@ def test_cli_gives_an_unreadable_submission_its_zero_and_reason(tmp_path, capsys
     from grader.cli import main
 
     (tmp_path / "cohort" / "empty-team").mkdir(parents=True)
-    assert main(["a2", "--cohort", str(tmp_path / "cohort"), "--profile", "cpu-tiny", "--out", str(tmp_path / "out")]) == 0
+    cohort, out = str(tmp_path / "cohort"), str(tmp_path / "out")
+    assert main(["a2", "--cohort", cohort, "--profile", "cpu-tiny", "--out", out]) == 0
     results = json.loads((tmp_path / "out" / "empty-team" / "results.json").read_text())
     assert results["score"] == 0 and "final/config.json" in results["output"]
     assert results["extra_data"]["assignment"] == "A2"
