@@ -123,7 +123,7 @@ def _run_export(args) -> int:
 
 def _add_release_export(sub) -> None:
     release = sub.add_parser("release", help="build the student repository of an assignment and its nbgrader course")
-    release.add_argument("assignment", choices=["a1", "a2"])
+    release.add_argument("assignment", choices=list(ASSIGNMENTS))
     release.add_argument("--out", required=True, help="the student repository to create")
     release.add_argument("--course", required=True,
                          help="nbgrader course working folder for TAs (gradebook.db, source/, release/); "
@@ -134,7 +134,7 @@ def _add_release_export(sub) -> None:
     export.add_argument("--course", required=True, help="the course folder made by `release`")
     export.add_argument("--results", required=True, help="the --out folder of `onenode-grade a1`")
     export.add_argument("--csv", required=True, help="the merged grade sheet to write")
-    export.add_argument("--assignment", default="a1", choices=["a1", "a2"])
+    export.add_argument("--assignment", default="a1", choices=list(ASSIGNMENTS))
     export.set_defaults(func=_run_export)
 
 
