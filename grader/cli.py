@@ -2,9 +2,11 @@
 
     onenode-grade a1 SUBMISSION --profile cpu-tiny --out DIR   # one folder or archive
     onenode-grade a1 --cohort DIR --profile h100x8 --out DIR   # every submission in DIR, resumable
+    onenode-grade a2 --cohort DIR --profile cpu-tiny --out DIR # A2 run folders, against the baseline
     onenode-grade demo --out DIR                               # the example cohort on CPU
     onenode-grade release a1 --out DIR --course COURSE         # the student repository + nbgrader course
     onenode-grade export --course COURSE --results DIR --csv FILE   # grade sheet: parts + notebook
+    onenode-grade leaderboard --cohort DIR --cohort DIR --out SITE  # the cohorts as a static page
 """
 
 from __future__ import annotations
@@ -15,64 +17,86 @@ import shutil
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
-from .rubric import RUBRIC_PATH, load_rubric
+from . import hints
+from .assignment import Assignment
+from .assignments import ASSIGNMENTS
+from .errors import GraderError
+from .rubric import KIT_ROOT
 
-STARTER_LOGS = ".starter-logs"
+DEMO_ASSIGNMENT = "a1"
 
 
-def _job(args):
-    """The job: a private scratch folder, the starter's logs in OUT/.starter-logs."""
-    from .a1 import new_job
+def _run_grading(assignment: Assignment, args) -> int:
+    """`onenode-grade NAME`: one submission or a cohort, in a private scratch folder."""
+    from .cohort import grade_cohort, grade_one, table
     from .sandbox import make_private
 
-    rubric = load_rubric(args.rubric)
-    workdir = make_private(tempfile.mkdtemp(prefix="onenode-grade-"))
-    return new_job(rubric, args.profile, workdir, Path(args.out) / STARTER_LOGS, seed=args.seed,
-                   notebooks=not args.no_notebook)
-
-
-def _run_a1(args) -> int:
-    from .a1 import GraderError
-    from .cohort import grade_cohort, grade_one, table
-
     if (args.submission is None) == (args.cohort is None):
-        raise SystemExit("onenode-grade a1: pass either one SUBMISSION or --cohort DIR")
-    job = _job(args)
+        raise SystemExit(f"onenode-grade {assignment.name}: pass either one SUBMISSION or --cohort DIR")
+    rubric = assignment.load_rubric(args.rubric)
+    rubric.profile(args.profile)  # an unknown profile fails before anything is made
+    workdir = make_private(tempfile.mkdtemp(prefix=f"onenode-grade-{assignment.name}-"))
     out = Path(args.out)
     start = time.monotonic()
     try:
+        job = assignment.new_job(rubric, args.profile, workdir, args)
         if args.cohort:
-            results = grade_cohort(Path(args.cohort), job, out, force=args.force, progress=not args.quiet)
-            print(table(results))
+            results = grade_cohort(assignment, Path(args.cohort), job, out, force=args.force, progress=not args.quiet)
+            print(table(assignment, results))
             print(f"{len(results)} submissions graded on {job.profile.name} (seed {job.seed}) in "
                   f"{time.monotonic() - start:.0f} s: {out / 'cohort.csv'}")
         else:
-            results = grade_one(Path(args.submission), job, out)
-            print(table([results]))
+            results = grade_one(assignment, Path(args.submission), job, out)
+            print(table(assignment, [results]))
             print(f"graded on {job.profile.name} (seed {job.seed}) in {time.monotonic() - start:.0f} s: "
                   f"{out / results['extra_data']['submission']}")
     except GraderError as e:
         print(f"onenode-grade: {e}", file=sys.stderr)
         return 1
     finally:
-        shutil.rmtree(job.workdir, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 
 def _run_demo(args) -> int:
-    from .demo import build_cohort
+    from .a1.demo import build_cohort
 
     out = Path(args.out)
     build_cohort(out / "cohort")
     args.cohort, args.submission, args.out = str(out / "cohort"), None, str(out / "results")
-    return _run_a1(args)
+    return _run_grading(ASSIGNMENTS[DEMO_ASSIGNMENT], args)
+
+
+def _grading_options(parser: argparse.ArgumentParser, assignment: Assignment, profile: str | None) -> None:
+    """What every assignment's command takes, then the assignment's own options."""
+    profiles = ", ".join(assignment.load_rubric(assignment.rubric_path).profiles)
+    parser.add_argument("--out", required=True, help="output folder (one subfolder per submission)")
+    parser.add_argument("--profile", default=profile, required=profile is None,
+                        help=f"hardware profile of the rubric: {profiles}")
+    parser.add_argument("--force", action="store_true", help="re-grade submissions already graded in --out")
+    parser.add_argument("--rubric", default=str(assignment.rubric_path),
+                        help=f"rubric TOML (default: {assignment.rubric_path.relative_to(KIT_ROOT)})")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    assignment.add_options(parser)
+
+
+def _add_grading(sub) -> None:
+    for assignment in ASSIGNMENTS.values():
+        parser = sub.add_parser(assignment.name, help=assignment.help)
+        parser.add_argument("submission", nargs="?", help=assignment.submission_help)
+        parser.add_argument("--cohort", help="folder with one submission per entry")
+        _grading_options(parser, assignment, None)
+        parser.set_defaults(func=partial(_run_grading, assignment))
+    demo = sub.add_parser("demo", help="build the example cohort from solutions/a1 and grade it on CPU")
+    _grading_options(demo, ASSIGNMENTS[DEMO_ASSIGNMENT], "cpu-tiny")
+    demo.set_defaults(func=_run_demo)
 
 
 # -- release and export: grader/release.py, grader/export.py ----------------------------------
 def _run_release(args) -> int:
-    from .a1 import GraderError
     from .release import release
 
     try:
@@ -85,7 +109,6 @@ def _run_release(args) -> int:
 
 
 def _run_export(args) -> int:
-    from .a1 import GraderError
     from .export import export
 
     try:
@@ -94,56 +117,52 @@ def _run_export(args) -> int:
         print(f"onenode-grade: {e}", file=sys.stderr)
         return 1
     pending = sum(1 for row in rows if row["needs_manual_grade"] is True)
-    print(f"{len(rows)} students: {args.csv}" + (f" ({pending} with written answers still to grade)" if pending else ""))
+    still = f" ({pending} with written answers still to grade)" if pending else ""
+    print(f"{len(rows)} students: {args.csv}{still}")
     return 0
 
 
 def _add_release_export(sub) -> None:
     release = sub.add_parser("release", help="build the student repository of an assignment and its nbgrader course")
-    release.add_argument("assignment", choices=["a1", "a2"])
+    release.add_argument("assignment", choices=list(ASSIGNMENTS))
     release.add_argument("--out", required=True, help="the student repository to create")
     release.add_argument("--course", required=True,
-                         help="nbgrader course working folder for TAs (gradebook.db, source/, release/); keep it private")
+                         help="nbgrader course working folder for TAs (gradebook.db, source/, release/); "
+                              "keep it private")
     release.add_argument("--force", action="store_true", help="replace a non-empty --out")
     release.set_defaults(func=_run_release)
     export = sub.add_parser("export", help="grade sheet: autograder results merged with the nbgrader gradebook")
     export.add_argument("--course", required=True, help="the course folder made by `release`")
     export.add_argument("--results", required=True, help="the --out folder of `onenode-grade a1`")
     export.add_argument("--csv", required=True, help="the merged grade sheet to write")
-    export.add_argument("--assignment", default="a1", choices=["a1", "a2"])
+    export.add_argument("--assignment", default="a1", choices=list(ASSIGNMENTS))
     export.set_defaults(func=_run_export)
 
 
-def _common(parser: argparse.ArgumentParser, profile: str | None) -> None:
-    parser.add_argument("--out", required=True, help="output folder (one subfolder per submission)")
-    parser.add_argument("--profile", default=profile, required=profile is None,
-                        help="hardware profile of the rubric: cpu-tiny, h200x1, h200x2, h100x8")
-    parser.add_argument("--seed", type=int, default=None, help="grading seed (default: random, recorded in results)")
-    parser.add_argument("--force", action="store_true", help="re-grade submissions already graded in --out")
-    parser.add_argument("--rubric", default=str(RUBRIC_PATH), help="rubric TOML (default: a1_infra/rubric.toml)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument("--no-notebook", action="store_true",
-                        help="grade the code parts only (e.g. on a GPU node without nbgrader); grade notebooks elsewhere")
+# -- the leaderboard: grader/leaderboard.py ---------------------------------------------------
+def _run_leaderboard(args) -> int:
+    from .leaderboard import build_site
+
+    page = build_site([Path(c) for c in args.cohort], Path(args.out), list(ASSIGNMENTS.values()))
+    print(f"leaderboard: {page} (open it in a browser; no server needed)")
+    return 0
+
+
+def _add_leaderboard(sub) -> None:
+    parser = sub.add_parser("leaderboard", help="the cohort's results as a static site (HTML + PNG + Markdown)")
+    parser.add_argument("--cohort", action="append", required=True,
+                        help="a results folder of onenode-grade a1 or a2 (repeatable)")
+    parser.add_argument("--out", required=True, help="site folder to write (index.html, leaderboard.md, *.png)")
+    parser.set_defaults(func=_run_leaderboard)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onenode-grade", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    a1 = sub.add_parser("a1", help="grade A1 submissions (a folder or archive, or a cohort)")
-    a1.add_argument("submission", nargs="?", help="submission folder or .zip/.tar.gz archive")
-    a1.add_argument("--cohort", help="folder with one submission (folder or archive) per entry")
-    _common(a1, None)
-    a1.set_defaults(func=_run_a1)
-    demo = sub.add_parser("demo", help="build the example cohort from solutions/a1 and grade it on CPU")
-    _common(demo, "cpu-tiny")
-    demo.set_defaults(func=_run_demo)
+    _add_grading(sub)
     _add_release_export(sub)
-    # A2 grading and the cohort leaderboard live in their own modules (grader/a2.py, grader/leaderboard.py).
-    from . import a2, hints, leaderboard
-
-    a2.register(sub)
-    leaderboard.register(sub)
+    _add_leaderboard(sub)
     hints.register(sub)
     return parser
 

@@ -77,7 +77,8 @@ def merge(graded: dict[str, dict], gradebook_rows: list[dict], manual: dict[str,
 def export(course: Path, results: Path, out_csv: Path, assignment: str = "a1") -> list[dict]:
     """Import, `nbgrader export`, merge; write `out_csv` and return its rows."""
     if not (course / "gradebook.db").is_file():
-        raise FileNotFoundError(f"no gradebook.db in {course}: run `onenode-grade release {assignment} --course {course}` first")
+        raise FileNotFoundError(f"no gradebook.db in {course}: "
+                                f"run `onenode-grade release {assignment} --course {course}` first")
     graded = import_results(course, results, assignment)
     run_nbgrader(course, "export", "--to", str((course / "grades.csv").resolve()))
     with open(course / "grades.csv", newline="", encoding="utf-8") as f:

@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .a1 import GraderError
+from .errors import GraderError
 from .report import test_entry
 from .rubric import KIT_ROOT
 from .sandbox import Limits, make_private, make_scratch, run_sandboxed
@@ -64,8 +64,9 @@ def _env(course: Path) -> dict[str, str]:
     and this Python's scripts first on PATH (nbgrader runs `alembic` to set up its database)."""
     jupyter = course / ".jupyter"
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    return {**os.environ, "PATH": path, "JUPYTER_CONFIG_DIR": str(jupyter / "config"), "JUPYTER_DATA_DIR": str(jupyter / "data"),
-            "JUPYTER_RUNTIME_DIR": str(jupyter / "runtime"), "IPYTHONDIR": str(jupyter / "ipython")}
+    return {**os.environ, "PATH": path, "JUPYTER_CONFIG_DIR": str(jupyter / "config"),
+            "JUPYTER_DATA_DIR": str(jupyter / "data"), "JUPYTER_RUNTIME_DIR": str(jupyter / "runtime"),
+            "IPYTHONDIR": str(jupyter / "ipython")}
 
 
 _EXCEPTION_LINE = re.compile(r"^\s*[\w.]*(Error|Exception): .+")
@@ -158,7 +159,8 @@ def execute_sandboxed(template: Path, assignment: str, notebook: Path, log: Path
     scratch = make_scratch()
     try:
         course = scratch / "course"
-        shutil.copytree(template, course, ignore=shutil.ignore_patterns(".jupyter", "autograded", "submitted", "feedback"))
+        shutil.copytree(template, course,
+                        ignore=shutil.ignore_patterns(".jupyter", "autograded", "submitted", "feedback"))
         submitted = course / "submitted" / "student" / assignment
         submitted.mkdir(parents=True)
         shutil.copy2(notebook, submitted / f"{NOTEBOOK_ID}.ipynb")
@@ -188,7 +190,8 @@ def without_hidden_tests(executed: bytes) -> bytes:
     try:
         nb = nbformat.reads(executed.decode("utf-8"), as_version=4)
     except (UnicodeDecodeError, ValueError) as e:
-        raise NotebookRunError(f"the graded report.ipynb is not a readable notebook ({e}): resubmit a valid one") from None
+        raise NotebookRunError(f"the graded report.ipynb is not a readable notebook ({e}): "
+                               "resubmit a valid one") from None
     for cell in nb.cells:
         if cell.cell_type == "code" and ClearHiddenTests().begin_test_delimeter in cell.source:
             for output in cell.outputs:
@@ -198,7 +201,7 @@ def without_hidden_tests(executed: bytes) -> bytes:
     return nbformat.writes(nb).encode("utf-8")
 
 
-# -- the score hook of grader/a1.py ------------------------------------------------------------
+# -- the score hook of the assignments' scoring -------------------------------------------------
 @dataclass
 class _Graded:
     tests: list[dict]
@@ -252,7 +255,8 @@ def _grade(template: Path, assignment: str, notebook: Path, logs: Path) -> _Grad
             import_executed(course, assignment, "student", private / AUTOGRADED_NAME)
         except NotebookError as e:
             reason = f"the graded report.ipynb could not be recorded ({e}); if every submission shows this, see logs/"
-            return _Graded([_entry(name, 0, points, reason) for name, points in cells.items()] + [written_note], None, None)
+            zeros = [_entry(name, 0, points, reason) for name, points in cells.items()]
+            return _Graded(zeros + [written_note], None, None)
         from nbgrader.api import Gradebook
 
         with Gradebook(db_url(course), COURSE_ID) as gb:

@@ -50,7 +50,8 @@ class Handout:
 
 
 HANDOUTS = {
-    "a1": Handout("A1: make the NemotronH training stack fast", "a1_infra", ("README.md", "rubric.toml", "tests"), False),
+    "a1": Handout("A1: make the NemotronH training stack fast", "a1_infra", ("README.md", "rubric.toml", "tests"),
+                  False),
     "a2": Handout("A2: pretrain your own model", "a2_pretrain", ("README.md", "rubric.toml", "recipes", "tests"), True),
 }
 
@@ -87,9 +88,11 @@ def student_readme(assignment: str, handout: Handout, has_handout: bool, has_tes
              ".venv/bin/onenode bench --preset tiny                  # seconds on a CPU",
              ".venv/bin/onenode bench --preset a1-1gpu --seq-len 4096 --out before.json --profile prof/   # one GPU"]
     if has_tests:
-        lines.append(".venv/bin/python -m pytest -q                         # the public tests (the starter fails them)")
+        lines.append(".venv/bin/python -m pytest -q                         "
+                     "# the public tests (the starter fails them)")
     if assignment == "a2":
-        lines.append(f".venv/bin/onenode train {folder}/recipes/tiny.yaml --out runs/tiny   # a recipe end to end on CPU")
+        lines.append(f".venv/bin/onenode train {folder}/recipes/tiny.yaml --out runs/tiny   "
+                     "# a recipe end to end on CPU")
     lines += [".venv/bin/jupyter lab report.ipynb                     # the report: set PROFILE in its first cell",
               "```", "", "## Submit", ""]
     if assignment == "a1":
@@ -158,15 +161,16 @@ def build(assignment: str, stage: Path, course: Path) -> None:
     has_tests = (stage / handout.folder / "tests").is_dir()
     testpaths = [f"{handout.folder}/tests"] if has_tests else []
     (stage / "pyproject.toml").write_text(student_pyproject((KIT_ROOT / "pyproject.toml").read_text(), testpaths))
-    (stage / "README.md").write_text(student_readme(assignment, handout, (stage / handout.folder / "README.md").is_file(),
-                                                    has_tests))
+    has_handout = (stage / handout.folder / "README.md").is_file()
+    (stage / "README.md").write_text(student_readme(assignment, handout, has_handout, has_tests))
     shutil.copy2(KIT_ROOT / ".gitignore", stage / ".gitignore")
     shutil.copy2(KIT_ROOT / "LICENSE", stage / "LICENSE")  # pyproject.toml names it
     make_course(course, [assignment])
     for path in (course / "release" / assignment).iterdir():
         _copy(path, stage / path.name)
     if not (stage / f"{NOTEBOOK_ID}.ipynb").is_file():
-        raise ReleaseError(f"nbgrader released no {NOTEBOOK_ID}.ipynb for {assignment}: check assignments/source/{assignment}/")
+        raise ReleaseError(f"nbgrader released no {NOTEBOOK_ID}.ipynb for {assignment}: "
+                           f"check assignments/source/{assignment}/")
 
 
 def release(assignment: str, out: Path, course: Path, force: bool = False) -> Path:
@@ -176,7 +180,8 @@ def release(assignment: str, out: Path, course: Path, force: bool = False) -> Pa
         raise ReleaseError(f"unknown assignment {assignment!r}: choose one of {', '.join(HANDOUTS)}")
     out, course = out.resolve(), course.resolve()
     if course == out or out in course.parents or course in out.parents:
-        raise ReleaseError(f"--course {course} and --out {out} must not contain each other: the course holds the solutions")
+        raise ReleaseError(f"--course {course} and --out {out} must not contain each other: "
+                           "the course holds the solutions")
     if out.exists() and any(out.iterdir()) and not force:
         raise ReleaseError(f"{out} is not empty: pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -185,10 +190,12 @@ def release(assignment: str, out: Path, course: Path, force: bool = False) -> Pa
         build(assignment, stage, course)
         secret = hints.secret_lines(assignment)
         if not HANDOUTS[assignment].with_reference_a1:
-            secret |= reference_lines((SOLUTIONS_A1 / "submission.patch").read_text(encoding="utf-8"), stage / "starter_code")
+            patch = (SOLUTIONS_A1 / "submission.patch").read_text(encoding="utf-8")
+            secret |= reference_lines(patch, stage / "starter_code")
         found = leaks(stage, secret)
         if found:
-            raise ReleaseError(f"the {assignment} release would leak ({len(found)} hits, first: {found[0]}): fix the source")
+            raise ReleaseError(f"the {assignment} release would leak ({len(found)} hits, first: {found[0]}): "
+                               "fix the source")
         if out.exists():
             shutil.rmtree(out)
         os.replace(stage, out)

@@ -37,9 +37,24 @@ def results_json(name: str, tests: list[dict], leaderboard: list[dict], executio
     }
 
 
+def part_scores(results: dict) -> dict[str, float]:
+    """A results.json's score per tag (each part, the notebook)."""
+    scores: dict[str, float] = {}
+    for t in results["tests"]:
+        for tag in t["tags"]:
+            scores[tag] = scores.get(tag, 0) + t["score"]
+    return scores
+
+
+def assignment_label(results: dict) -> str:
+    """The label of the assignment a results.json belongs to ("A1", "A2"); results written
+    before the grader recorded it are A1's."""
+    return results["extra_data"].get("assignment", "A1")
+
+
 def feedback_markdown(results: dict, failures: dict[str, str]) -> str:
     extra = results["extra_data"]
-    lines = [f"# A1 feedback: {extra['submission']}", "",
+    lines = [f"# {assignment_label(results)} feedback: {extra['submission']}", "",
              f"**Score: {results['score']:g} / {extra['max_score']:g}** "
              f"(profile `{extra['profile']}`, grading seed {extra['seed']}, {results['execution_time']:g} s)", ""]
     if results["output"]:
@@ -56,6 +71,12 @@ def feedback_markdown(results: dict, failures: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_FEEDBACK_STYLE = ("body{font-family:sans-serif;max-width:60em;margin:2em auto}"
+                   "td{padding:.3em .6em;vertical-align:top}\n"
+                   "tr.passed td:first-child{color:#186a1d}tr.failed td:first-child{color:#a21}"
+                   "pre{background:#f4f4f4;padding:1em;overflow:auto}")
+
+
 def feedback_html(results: dict, failures: dict[str, str]) -> str:
     e = html.escape
     extra = results["extra_data"]
@@ -65,10 +86,9 @@ def feedback_html(results: dict, failures: dict[str, str]) -> str:
     numbers = "".join(f"<li>{e(x['name'])}: {x['value']:g}</li>" for x in results["leaderboard"])
     logs = "".join(f"<h2>What went wrong: {e(name)} run</h2><pre>{e(text)}</pre>" for name, text in failures.items())
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>A1 feedback: {e(extra['submission'])}</title>
-<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}td{{padding:.3em .6em;vertical-align:top}}
-tr.passed td:first-child{{color:#186a1d}}tr.failed td:first-child{{color:#a21}}pre{{background:#f4f4f4;padding:1em;overflow:auto}}</style>
-</head><body><h1>A1 feedback: {e(extra['submission'])}</h1>
+<html><head><meta charset="utf-8"><title>{assignment_label(results)} feedback: {e(extra['submission'])}</title>
+<style>{_FEEDBACK_STYLE}</style>
+</head><body><h1>{assignment_label(results)} feedback: {e(extra['submission'])}</h1>
 <p><b>Score: {results['score']:g} / {extra['max_score']:g}</b> (profile <code>{e(extra['profile'])}</code>,
 grading seed {extra['seed']}, {results['execution_time']:g} s)</p><p>{e(results['output'])}</p>
 <table><tr><th>test</th><th>score</th><th>what was measured</th></tr>{rows}</table>
@@ -113,7 +133,8 @@ def environment(profile: Profile, seed: int) -> dict:
     return {
         "machine": {"host": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
                     "gpus": _gpus()},
-        "versions": {"python": sys.version.split()[0], **{p: _version(p) for p in ("torch", "transformers", "onenode")}},
+        "versions": {"python": sys.version.split()[0],
+                     **{p: _version(p) for p in ("torch", "transformers", "onenode")}},
         "kit_commit": _kit_commit(),
         "profile": profile.as_dict(),
         "seed": seed,

@@ -1,17 +1,19 @@
-"""A1's rubric (`a1_infra/rubric.toml`): parts, points and per-hardware-profile workloads."""
+"""What every assignment's rubric shares: hardware profiles looked up by name, and the tier rule.
+
+A rubric is a TOML file of the assignment's handout folder: its points, and per hardware
+profile (one kind of machine) what runs there and the thresholds. Each assignment's package
+extends `Profile` and `Rubric` with its own fields (`grader/a1/rubric.py`, `grader/a2/rubric.py`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import tomllib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
+from typing import ClassVar
 
 KIT_ROOT = Path(__file__).resolve().parents[1]
-RUBRIC_PATH = KIT_ROOT / "a1_infra" / "rubric.toml"
 
 
 def tier_share(tiers: list, value: float) -> float:
@@ -20,66 +22,37 @@ def tier_share(tiers: list, value: float) -> float:
     return max([share for threshold, share in tiers if value >= threshold], default=0.0)
 
 
-def pick_profile(profiles: dict, name: str, what: str = "profile"):
-    if name not in profiles:
-        raise KeyError(f"unknown {what} {name!r}: choose one of {', '.join(profiles)}")
-    return profiles[name]
-
-
-@dataclass(frozen=True)
-class Part:
-    key: str  # "moe", "ep", "pp"
-    title: str
-    correctness: float
-    performance: float  # the speed or feature points
-    performance_kind: str  # "speed" or "feature"
+def read_toml(path: str | Path) -> dict:
+    with open(path, "rb") as f:
+        return tomllib.load(f)
 
 
 @dataclass(frozen=True)
 class Profile:
-    """One kind of machine: what runs there and what counts as fixed."""
+    """One kind of machine: what the core needs to run a submission there (the sandbox's
+    threads, time and memory) and to record it (env.json)."""
 
     name: str
     description: str
     device: str
-    dtype: str
     threads: int
-    preset: str
-    overrides: dict
-    batch: int
-    seq_len: int
-    warmup: int
-    repeats: int
-    rtol: float
     timeout_s: float
     memory_mb: int
-    moe: dict
-    speedup_tiers: list
-    max_expert_allgather: float
-    layouts: dict = field(default_factory=dict)
-
-    def speed_share(self, speedup: float) -> float:
-        return tier_share(self.speedup_tiers, speedup)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
 
 @dataclass(frozen=True)
-class Rubric:
-    parts: dict[str, Part]
+class Rubric(ABC):
     profiles: dict[str, Profile]
+    kind: ClassVar[str] = "profile"  # how an unknown profile's error names it
 
     def profile(self, name: str) -> Profile:
-        return pick_profile(self.profiles, name)
+        if name not in self.profiles:
+            raise KeyError(f"unknown {self.kind} {name!r}: choose one of {', '.join(self.profiles)}")
+        return self.profiles[name]
 
-
-def load_rubric(path: str | Path = RUBRIC_PATH) -> Rubric:
-    with open(path, "rb") as f:
-        raw = tomllib.load(f)
-    parts = {}
-    for key, part in raw["parts"].items():
-        kind = "speed" if "speed" in part else "feature"
-        parts[key] = Part(key, part["title"], float(part["correctness"]), float(part[kind]), kind)
-    profiles = {name: Profile(name=name, **spec) for name, spec in raw["profiles"].items()}
-    return Rubric(parts, profiles)
+    @abstractmethod
+    def zero_tests(self, reason: str) -> list[dict]:
+        """Every test of the rubric at 0 with one reason: a submission that could not be graded."""

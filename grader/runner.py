@@ -18,13 +18,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .rubric import KIT_ROOT, Profile
+from .rubric import Profile
 from .sandbox import Limits, SandboxedProcess, SandboxError, make_scratch, spawn_sandboxed
 
-HARNESS = Path(__file__).with_name("harness.py")
-COLLECTIVES = KIT_ROOT / "a1_infra" / "tests" / "collectives.py"  # the kit's own: the harness imports it
 LOG_TAIL_LINES = 30
 DIED = "the child stopped answering"
+
+
+@dataclass(frozen=True)
+class Harness:
+    """The grader's own program a child runs (an assignment's), copied into its scratch folder."""
+
+    script: Path  # run as `python -u <name>` in the child
+    beside: tuple[Path, ...] = ()  # modules the script imports, copied next to it
+    max_file_mb: int = 1024  # the largest file the child may write (the weights it saves)
 
 
 @dataclass
@@ -52,42 +59,35 @@ class SessionResult:
         return self.error is None
 
 
-def _weights_mb(profile: Profile) -> int:
-    """float32 weights of the profile's model, from the pristine kit's config (not the submission's)."""
-    from onenode.model import count_parameters, get_preset
-
-    total, _ = count_parameters(get_preset(profile.preset, **profile.overrides))
-    return 4 * total // 2**20
-
-
-def limits_for(profile: Profile, world: int, sessions: int) -> Limits:
-    """One child's limits. RLIMIT_AS is meaningless under CUDA (it maps far more than it uses);
-    files may hold the job's weights twice over (the reference weights the grader hands in)."""
+def limits_for(profile: Profile, world: int, sessions: int, max_file_mb: int) -> Limits:
+    """One child's limits. RLIMIT_AS is meaningless under CUDA (it maps far more than it uses)."""
     return Limits(
         wall_s=profile.timeout_s * sessions + 60,
         cpu_s=profile.timeout_s * sessions * max(1, profile.threads),
         memory_mb=None if profile.device == "cuda" else profile.memory_mb,
         nproc=512 + 256 * world,  # threads count: torch, gloo and NCCL start many per rank
-        fsize_mb=max(1024, 2 * _weights_mb(profile)),
+        fsize_mb=max_file_mb,
     )
 
 
 class Child:
     """A sandboxed harness with `world` ranks, in its own scratch copy of `tree`."""
 
-    def __init__(self, name: str, tree: Path, profile: Profile, world: int, sessions: int, files_in: dict[str, Path]):
+    def __init__(self, name: str, tree: Path, harness: Harness, profile: Profile, world: int, sessions: int,
+                 files_in: dict[str, Path]):
         self.name, self.profile = name, profile
         self.scratch = make_scratch()
         try:
             shutil.copytree(tree / "starter_code", self.scratch / "starter_code")
-            shutil.copy2(HARNESS, self.scratch / "harness.py")
-            shutil.copy2(COLLECTIVES, self.scratch / "collectives.py")
+            for src in (harness.script, *harness.beside):
+                shutil.copy2(src, self.scratch / src.name)
             for name, src in files_in.items():
                 shutil.copy2(src, self.scratch / name)
             env = {"OMP_NUM_THREADS": str(profile.threads), "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",
                    "PYTHONHASHSEED": "0"}
-            self.proc: SandboxedProcess = spawn_sandboxed([sys.executable, "-u", "harness.py"], cwd=self.scratch,
-                                                          env=env, limits=limits_for(profile, world, sessions))
+            limits = limits_for(profile, world, sessions, harness.max_file_mb)
+            self.proc: SandboxedProcess = spawn_sandboxed([sys.executable, "-u", harness.script.name], cwd=self.scratch,
+                                                          env=env, limits=limits)
         except BaseException:
             shutil.rmtree(self.scratch, ignore_errors=True)
             raise
@@ -165,10 +165,11 @@ class Child:
         return log, ended.reason
 
 
-def run_sessions(tree: Path, profile: Profile, world: int, sessions: list[Session], logs: Path,
+def run_sessions(harness: Harness, tree: Path, profile: Profile, world: int, sessions: list[Session], logs: Path,
                  files_in: dict[str, Path] | None = None, files_out: dict[str, Path] | None = None,
                  baselines: dict[str, tuple[Path, Session]] | None = None) -> dict[str, SessionResult]:
-    """Run `sessions` in order on children of `world` ranks; a failed session ends its child.
+    """Run `sessions` in order on children of `world` ranks running `harness`; a failed session
+    ends its child.
 
     `files_in` are copied into each child's scratch under their keys before it starts (weights);
     `files_out` are copied back from the last child's scratch at the end, if it wrote them.
@@ -183,12 +184,12 @@ def run_sessions(tree: Path, profile: Profile, world: int, sessions: list[Sessio
         for i, session in enumerate(sessions):
             if child is None:
                 children += 1
-                child = Child(f"child-{children}", tree, profile, world, len(sessions) - i, files_in or {})
+                child = Child(f"child-{children}", tree, harness, profile, world, len(sessions) - i, files_in or {})
             baseline = None
             if session.name in (baselines or {}):
                 base_tree, base_session = baselines[session.name]
                 needed = {k: v for k, v in (files_in or {}).items() if k == base_session.spec.get("weights_in")}
-                baseline = (Child(f"starter-{session.name}", base_tree, profile, 1, 1, needed), base_session)
+                baseline = (Child(f"starter-{session.name}", base_tree, harness, profile, 1, 1, needed), base_session)
             result, base_result = child.run(session, baseline)
             results[session.name] = result
             if baseline is not None:

@@ -19,6 +19,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from .errors import SubmissionError
 from .rubric import KIT_ROOT
 
 PATCH_NAME = "submission.patch"
@@ -33,10 +34,6 @@ _REGULAR_MODES = {"100644", "100755"}
 _GIT_HEADER_PATHS = re.compile(r"^(rename|copy) (from|to) (.+)$")
 _HUNK = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 _MODE_LINE = re.compile(r"^(new file mode|deleted file mode|old mode|new mode|index \S+) ?(\d{6})?$")
-
-
-class SubmissionError(ValueError):
-    """A submission that cannot be graded, with a one-line reason that says what to do."""
 
 
 @dataclass
@@ -82,13 +79,15 @@ def _members(archive: Path):
 def _unpack(archive: Path, dest: Path) -> None:
     """Extract regular files only, refusing links, traversal and archive bombs."""
     if archive.stat().st_size > MAX_ARCHIVE_BYTES:
-        raise SubmissionError(f"{archive.name} is larger than {MAX_ARCHIVE_BYTES >> 20} MiB: submit the patch and notebook only")
+        raise SubmissionError(f"{archive.name} is larger than {MAX_ARCHIVE_BYTES >> 20} MiB: "
+                              "submit the patch and notebook only")
     total = 0
     try:
         for count, (name, kind, size, open_member) in enumerate(_members(archive), 1):
             path = _safe_member(name)
             if count > MAX_MEMBERS:
-                raise SubmissionError(f"{archive.name} has over {MAX_MEMBERS} files: submit the patch and notebook only")
+                raise SubmissionError(f"{archive.name} has over {MAX_MEMBERS} files: "
+                                      "submit the patch and notebook only")
             if kind == "dir":
                 continue
             if kind != "file":
@@ -163,7 +162,8 @@ def check_patch(text: str) -> list[str]:
         elif m := _GIT_HEADER_PATHS.match(line):
             changed[_check_path(m.group(3))] = None
         elif (m := _MODE_LINE.match(line)) and m.group(2) and m.group(2) not in _REGULAR_MODES:
-            raise SubmissionError(f"submission.patch sets file mode {m.group(2)} (a symlink or submodule): only regular files may change")
+            raise SubmissionError(f"submission.patch sets file mode {m.group(2)} (a symlink or submodule): "
+                                  "only regular files may change")
     if text.strip() and not changed:
         raise SubmissionError("submission.patch holds no diff: make it with `git diff > submission.patch`")
     return list(changed)
@@ -186,14 +186,16 @@ def load_submission(path: str | Path, workdir: Path) -> Submission:
         raise SubmissionError(f"{path.name} is neither a folder nor a {'/'.join(ARCHIVE_SUFFIXES)} archive")
     patch_path = _find(folder, PATCH_NAME)
     if patch_path is None:
-        raise SubmissionError(f"no {PATCH_NAME} in {path.name}: run `git diff -- starter_code/onenode > {PATCH_NAME}` in the kit")
+        raise SubmissionError(f"no {PATCH_NAME} in {path.name}: "
+                              f"run `git diff -- starter_code/onenode > {PATCH_NAME}` in the kit")
     if patch_path.stat().st_size > MAX_PATCH_BYTES:
         raise SubmissionError(f"{PATCH_NAME} is larger than {MAX_PATCH_BYTES >> 20} MiB: submit source changes only")
     raw = patch_path.read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise SubmissionError(f"{PATCH_NAME} is not UTF-8 text (byte {e.start}): save it as UTF-8 (`git diff > {PATCH_NAME}` in a UTF-8 shell)") from None
+        raise SubmissionError(f"{PATCH_NAME} is not UTF-8 text (byte {e.start}): "
+                              f"save it as UTF-8 (`git diff > {PATCH_NAME}` in a UTF-8 shell)") from None
     if "\x00" in text:
         raise SubmissionError(f"{PATCH_NAME} contains NUL bytes: it must be a text diff")
     changed = check_patch(text)
@@ -231,7 +233,8 @@ def patched_tree(submission: Submission, dest: Path, kit_root: Path = KIT_ROOT) 
     for extra in (("--check",), ()):
         result = _git_apply(dest, patch_file, *extra)
         if result.returncode != 0:
-            lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")] or result.stderr.splitlines() or ["?"]
+            lines = ([ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+                     or result.stderr.splitlines() or ["?"])
             reason = lines[0].removeprefix("error: ")
             raise SubmissionError(
                 f"{PATCH_NAME} does not apply to this kit's starter_code ({reason}): "

@@ -11,15 +11,14 @@ from pathlib import Path
 import pytest
 from test_eval import load_make_reference
 
-from grader.a2 import (
-    A2SubmissionError,
-    audit_run,
-    contamination,
-    grade_cohort_a2,
-    load_a2_rubric,
-    load_a2_submission,
-    new_a2_job,
-)
+from grader.a2 import A2
+from grader.a2.audit import audit_run
+from grader.a2.contamination import contamination
+from grader.a2.intake import load_submission as load_a2_submission
+from grader.a2.job import new_job as new_a2_job
+from grader.a2.rubric import load_rubric as load_a2_rubric
+from grader.cohort import grade_cohort
+from grader.errors import SubmissionError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "a2_pretrain" / "recipes" / "tiny.yaml"
@@ -87,10 +86,10 @@ def test_manifest_that_disagrees_with_its_checkpoint_is_rejected(submission, tmp
 
 def test_incomplete_submission_is_one_line(submission):
     (submission / "metrics.jsonl").unlink()
-    with pytest.raises(A2SubmissionError, match="metrics.jsonl is missing"):
+    with pytest.raises(SubmissionError, match="metrics.jsonl is missing"):
         load_a2_submission(submission)
     shutil.rmtree(submission / "final")
-    with pytest.raises(A2SubmissionError, match="final/config.json"):
+    with pytest.raises(SubmissionError, match="final/config.json"):
         load_a2_submission(submission)
 
 
@@ -131,7 +130,7 @@ def test_cohort_is_graded_against_the_baseline(tmp_path):
     job = new_a2_job(rubric, "cpu-tiny", tmp_path / "work")
     (tmp_path / "work").mkdir()
     out = tmp_path / "out"
-    results = {r["extra_data"]["submission"]: r for r in grade_cohort_a2(cohort, job, out)}
+    results = {r["extra_data"]["submission"]: r for r in grade_cohort(A2, cohort, job, out)}
 
     def entries(name, tag):
         return [t for t in results[name]["tests"] if tag in t["tags"]]
@@ -153,7 +152,8 @@ def test_cli_gives_an_unreadable_submission_its_zero_and_reason(tmp_path, capsys
     from grader.cli import main
 
     (tmp_path / "cohort" / "empty-team").mkdir(parents=True)
-    assert main(["a2", "--cohort", str(tmp_path / "cohort"), "--profile", "cpu-tiny", "--out", str(tmp_path / "out")]) == 0
+    cohort, out = str(tmp_path / "cohort"), str(tmp_path / "out")
+    assert main(["a2", "--cohort", cohort, "--profile", "cpu-tiny", "--out", out]) == 0
     results = json.loads((tmp_path / "out" / "empty-team" / "results.json").read_text())
     assert results["score"] == 0 and "final/config.json" in results["output"]
     assert results["extra_data"]["assignment"] == "A2"

@@ -41,7 +41,7 @@ def suite(docs, tmp_path_factory):
 def checkpoints(tmp_path_factory):
     """The reference run (trained once, cached) and the same run with untrained weights."""
     make_reference = load_make_reference()
-    from grader.a2 import trained_run
+    from grader.a2.job import trained_run
 
     root = tmp_path_factory.mktemp("runs")
     trained = root / "trained"

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from grader import a1
-from grader.a1 import new_job
-from grader.cohort import grade_cohort, grade_one, part_scores
-from grader.demo import MANIFEST, SOLUTIONS, build_cohort
-from grader.rubric import load_rubric, tomllib
+from grader.a1 import A1, scoring
+from grader.a1.demo import MANIFEST, SOLUTIONS, build_cohort
+from grader.a1.job import new_job
+from grader.a1.rubric import load_rubric
+from grader.cohort import grade_cohort, grade_one
+from grader.report import part_scores
+from grader.rubric import tomllib
 from grader.submission import load_submission, patched_tree
 
 PARTS = ("moe", "ep", "pp")
@@ -43,10 +45,10 @@ def graded(tmp_path_factory):
     out = tmp_path_factory.mktemp("calibration")
     rubric = load_rubric()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(a1, "STEPS", [a1.grade_moe, a1.grade_ep, a1.grade_pp])
+        mp.setattr(scoring, "STEPS", [scoring.grade_moe, scoring.grade_ep, scoring.grade_pp])
         job = new_job(rubric, "cpu-tiny", out / "work", out / "starter-logs", seed=1234)
         build_cohort(out / "cohort")
-        results = grade_cohort(out / "cohort", job, out / "results", progress=False)
+        results = grade_cohort(A1, out / "cohort", job, out / "results", progress=False)
     full = {key: part.correctness + part.performance for key, part in rubric.parts.items()}
     return {r["extra_data"]["submission"]: r for r in results}, full, out
 
@@ -77,8 +79,8 @@ def test_calibration(graded):
 @pytest.mark.dist
 def test_grading_twice_gives_the_same_score(graded, monkeypatch):
     results, _, out = graded
-    monkeypatch.setattr(a1, "STEPS", [a1.grade_moe, a1.grade_ep, a1.grade_pp])
+    monkeypatch.setattr(scoring, "STEPS", [scoring.grade_moe, scoring.grade_ep, scoring.grade_pp])
     job = new_job(load_rubric(), "cpu-tiny", out / "work2", out / "starter-logs2", seed=4321)
-    again = grade_one(out / "cohort" / "part1-moe", job, out / "again")
+    again = grade_one(A1, out / "cohort" / "part1-moe", job, out / "again")
     assert again["extra_data"]["seed"] != results["part1-moe"]["extra_data"]["seed"]
     assert _scores(again) == _scores(results["part1-moe"])

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from grader.cohort import _publish, find_submissions, is_done, table, write_cohort_csv
+from grader.a1 import A1
+from grader.a1.rubric import RUBRIC_PATH
+from grader.cohort import find_submissions, is_done, publish, table, write_cohort_csv
 from grader.report import results_json
-from grader.rubric import RUBRIC_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +33,7 @@ def test_publish_replaces_a_result_atomically(tmp_path):
         staging = tmp_path / f".partial-a-{score}"
         staging.mkdir()
         (staging / "results.json").write_text(json.dumps(fake_results("a", score)))
-        _publish(staging, tmp_path / "a")
+        publish(staging, tmp_path / "a")
     assert json.loads((tmp_path / "a" / "results.json").read_text())["score"] == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
     assert is_done(tmp_path, "a") and not is_done(tmp_path, "b")
@@ -59,11 +60,11 @@ def test_find_submissions_and_name_clashes(tmp_path):
 
 def test_csv_and_table(tmp_path):
     rows = [fake_results("a", 4), fake_results("b", 0)]
-    write_cohort_csv(tmp_path / "cohort.csv", rows)
+    write_cohort_csv(A1, tmp_path / "cohort.csv", rows)
     with open(tmp_path / "cohort.csv") as f:
         read = list(csv.DictReader(f))
     assert [r["name"] for r in read] == ["a", "b"] and read[0]["moe_score"] == "4"
-    text = table(rows)
+    text = table(A1, rows)
     assert text.splitlines()[1].startswith("a ") and "4/4" in text and "0/4" in text
 
 

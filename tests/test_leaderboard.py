@@ -19,7 +19,8 @@ CHROMIUM = Path("/usr/bin/chromium")
 
 
 def _test(name, score, max_score, tag):
-    return {"name": name, "score": score, "max_score": max_score, "status": "passed" if score >= max_score else "failed",
+    return {"name": name, "score": score, "max_score": max_score,
+            "status": "passed" if score >= max_score else "failed",
             "output": "", "visibility": "visible", "tags": [tag]}
 
 
@@ -37,7 +38,8 @@ def cohorts(tmp_path):
     for name, moe, ep, speed in (("fast-team", 10, 10, 3.1), ("slow-team", 10, 0, 1.2)):
         tests = [_test("Part 1", moe, 10, "moe"), _test("Part 2", ep, 10, "ep"), _test("Part 3", 0, 10, "pp")]
         numbers = {"moe_speedup": speed, "ep_tokens_per_s": 400.0 * speed, "ep_step_speedup": speed}
-        _write(a1 / name, results_json(name, tests, [], 1.0, "", {"profile": "cpu-tiny", "seed": 1, "numbers": numbers}))
+        extra = {"profile": "cpu-tiny", "seed": 1, "numbers": numbers}
+        _write(a1 / name, results_json(name, tests, [], 1.0, "", extra))
     for name, acc, verified in (("good-run", 0.9, True), ("bad-run", 0.55, False)):
         tests = [_test("Token budget and run audit", 20 if verified else 0, 20, "budget"),
                  _test("Benchmark: onenode_order", 22.5 if verified else 0, 22.5, "benchmarks")]

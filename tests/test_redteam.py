@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 from redteam.cases import CASES, PAYLOADS, STARTER, Case, folder
 
-cohort = pytest.importorskip("grader.cohort", reason="waiting for the grader core (grader/cohort.py)")
-a1 = pytest.importorskip("grader.a1", reason="waiting for the grader core (grader/a1.py)")
-from grader.rubric import load_rubric  # noqa: E402
-from grader.sandbox import make_private  # noqa: E402
+from grader import cohort
+from grader.a1 import A1, scoring
+from grader.a1.job import new_job
+from grader.a1.rubric import load_rubric
+from grader.sandbox import make_private
 
 KIT = Path(__file__).resolve().parents[1]
 PLANTED = ("escaped.py", "planted.py")  # what the archive cases try to write outside their folder
@@ -81,13 +82,13 @@ def job(tmp_path_factory):
     rubric = dataclasses.replace(rubric, profiles={**rubric.profiles, "redteam": profile})
     workdir = make_private(tmp_path_factory.mktemp("redteam-job"))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(a1, "STEPS", [step for step in a1.STEPS if step is not a1.grade_notebook])
-        yield a1.new_job(rubric, "redteam", workdir, starter_logs=workdir / "starter-logs", seed=20261130)
+        patch.setattr(scoring, "STEPS", [step for step in scoring.STEPS if step is not scoring.grade_notebook])
+        yield new_job(rubric, "redteam", workdir, starter_logs=workdir / "starter-logs", seed=20261130)
 
 
 def _grade(submission: Path, job, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    results = cohort.grade_one(submission, job, out)
+    results = cohort.grade_one(A1, submission, job, out)
     assert (out / results["extra_data"]["submission"] / "results.json").is_file()
     return results
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from grader import a1 as grader_a1
-from grader import hints, notebook
+from grader import hints, notebook, report
 from grader.export import export
 from grader.release import HANDOUTS, ReleaseError, leaks, release, student_pyproject
 from grader.report import results_json
@@ -68,7 +67,8 @@ def test_student_pyproject_has_no_grader():
     text = student_pyproject((ROOT / "pyproject.toml").read_text(), ["a1_infra/tests"])
     project = tomllib.loads(text)
     assert "onenode-grade" not in project["project"]["scripts"] and "onenode" in project["project"]["scripts"]
-    assert project["tool"]["setuptools"]["packages"]["find"] == {"where": ["starter_code"], "include": ["onenode", "onenode.*"]}
+    assert project["tool"]["setuptools"]["packages"]["find"] == {"where": ["starter_code"],
+                                                                 "include": ["onenode", "onenode.*"]}
     assert project["tool"]["pytest"]["ini_options"]["testpaths"] == ["a1_infra/tests"]
     with pytest.raises(ReleaseError, match="update grader/release.py"):
         student_pyproject("[project]\nname = 'x'\n", [])
@@ -135,13 +135,14 @@ def test_full_notebook_cycle(a1_release, tmp_path):
     course, results = a1_release / "course", tmp_path / "results"
     broken = tmp_path / "broken.ipynb"
     broken.write_text('{"cells": [')
-    submissions = {"ref_student": SOLUTIONS / "a1" / "report.ipynb", "empty_student": a1_release / "student" / "report.ipynb",
-                   "broken_student": broken}
+    submissions = {"ref_student": SOLUTIONS / "a1" / "report.ipynb",
+                   "empty_student": a1_release / "student" / "report.ipynb", "broken_student": broken}
     auto_max = sum(notebook.autograded_cells(course, "a1").values())
     for name, path in submissions.items():
         logs = results / name / "logs"
         logs.mkdir(parents=True)
-        tests = notebook.grade(path, logs) + [grader_a1.test_entry("Part 1: fused MoE experts: correctness", 4, 4, "ok", "moe")]
+        part = report.test_entry("Part 1: fused MoE experts: correctness", 4, 4, "ok", "moe")
+        tests = notebook.grade(path, logs) + [part]
         results_json_ = results_json(name, tests, [], 1.0, "", {"profile": "cpu-tiny", "seed": 0})
         (results / name / "results.json").write_text(json.dumps(results_json_))
         if name == "broken_student":
@@ -186,4 +187,5 @@ def test_a2_release_is_the_fixed_stack(tmp_path):
     moe = (bundle / "starter_code" / "onenode" / "model" / "moe.py").read_text()
     assert "grouped_mm" in moe, "the A2 starter must carry the reference A1 fix"
     assert (bundle / "report.ipynb").is_file() and (bundle / "a2_pretrain" / "recipes" / "baseline.yaml").is_file()
-    assert not [p for p in _files(bundle) if b"BEGIN HIDDEN TESTS" in p.read_bytes() or b"BEGIN SOLUTION" in p.read_bytes()]
+    markers = (b"BEGIN HIDDEN TESTS", b"BEGIN SOLUTION")
+    assert not [p for p in _files(bundle) if any(marker in p.read_bytes() for marker in markers)]

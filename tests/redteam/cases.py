@@ -52,8 +52,8 @@ def append_to(kit: Path, path: str, code: str) -> str:
 
 
 # What the patches below would plant in the kit's own files if the grader let them through.
-PAYLOADS = {"grader/a1.py": "STEPS.clear()", "a1_infra/rubric.toml": "[parts.bonus]",
-            "tests/conftest.py": "collect_ignore = ['.']", "grader/rubric.py": "RUBRIC_PATH = None"}
+PAYLOADS = {"grader/a1/scoring.py": "STEPS.clear()", "a1_infra/rubric.toml": "[parts.bonus]",
+            "tests/conftest.py": "collect_ignore = ['.']", "grader/a1/rubric.py": "RUBRIC_PATH = None"}
 
 
 def plant(kit: Path, path: str) -> str:
@@ -278,21 +278,22 @@ BINARY_PATCH = (f"diff --git a/{STARTER}/model/moe.py b/{STARTER}/model/moe.py\n
                 "index 1111111..2222222 100644\nGIT binary patch\nliteral 4\nLcmZ?wbN&AT00031\n\n")
 
 CASES: list[Case] = [
-    _patch_case("dotdot-path", lambda kit: plant(kit, "grader/a1.py").replace(
-        "/grader/a1.py", f"/{STARTER}/../../grader/a1.py"), r"absolute and '\.\.' paths are not allowed"),
-    _patch_case("absolute-path", lambda kit: plant(kit, "grader/a1.py").replace(
+    _patch_case("dotdot-path", lambda kit: plant(kit, "grader/a1/scoring.py").replace(
+        "/grader/a1/scoring.py", f"/{STARTER}/../../grader/a1/scoring.py"),
+                r"absolute and '\.\.' paths are not allowed"),
+    _patch_case("absolute-path", lambda kit: plant(kit, "grader/a1/scoring.py").replace(
         " a/grader/", f" {kit}/grader/").replace(" b/grader/", f" {kit}/grader/"),
                 r"absolute and '\.\.' paths are not allowed"),
     _patch_case("symlink-in-patch", lambda kit: SYMLINK_PATCH, r"mode 120000 \(a symlink"),
-    _patch_case("edits-grader", lambda kit: plant(kit, "grader/a1.py"),
-                r"touches 'grader/a1\.py': only \.py files under starter_code/onenode/"),
+    _patch_case("edits-grader", lambda kit: plant(kit, "grader/a1/scoring.py"),
+                r"touches 'grader/a1/scoring\.py': only \.py files under starter_code/onenode/"),
     _patch_case("edits-rubric", lambda kit: plant(kit, "a1_infra/rubric.toml"),
                 r"touches 'a1_infra/rubric\.toml'"),
     _patch_case("edits-tests", lambda kit: plant(kit, "tests/conftest.py"),
                 r"touches 'tests/conftest\.py'"),
     _patch_case("deletes-tests", lambda kit: diff(kit, "tests/conftest.py", None), r"touches 'tests/conftest\.py'"),
     _patch_case("smuggled-second-file", lambda kit: append_to(kit, f"{STARTER}/__init__.py", "# tidy")
-                + plant(kit, "grader/rubric.py"), r"touches 'grader/rubric\.py'"),
+                + plant(kit, "grader/a1/rubric.py"), r"touches 'grader/a1/rubric\.py'"),
     _patch_case("rename-out-of-tree", lambda kit: (f"diff --git a/{STARTER}/cli.py b/grader/cli.py\n"
                                                    "similarity index 100%\nrename from "
                                                    f"{STARTER}/cli.py\nrename to grader/cli.py\n"),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .rubric import KIT_ROOT, tomllib
-from .submission import NOTEBOOK_NAME, PATCH_NAME
+from ..rubric import KIT_ROOT, read_toml
+from ..submission import NOTEBOOK_NAME, PATCH_NAME
 
 MANIFEST = KIT_ROOT / "examples" / "a1-cohort" / "cohort.toml"
 SOLUTIONS = KIT_ROOT / "solutions" / "a1"
@@ -14,8 +14,7 @@ SOLUTIONS = KIT_ROOT / "solutions" / "a1"
 
 def build_cohort(dest: Path, manifest: Path = MANIFEST, solutions: Path = SOLUTIONS) -> list[Path]:
     """One folder per submission of the manifest under `dest` (rebuilt from scratch)."""
-    with open(manifest, "rb") as f:
-        submissions = tomllib.load(f)["submissions"]
+    submissions = read_toml(manifest)["submissions"]
     shutil.rmtree(dest, ignore_errors=True)
     built = []
     for name, patches in submissions.items():

@@ -1,0 +1,122 @@
+"""An A1 grading job: a profile, a seed, and the unpatched starter's reference runs, made once
+and shared by every submission of the job.
+
+The job picks a random seed (recorded in every result) and runs the unpatched starter through
+the harness: the MoE digests and times, the loss trajectory of the reference layout, the
+starter's expert-parallel run with its collective bytes. Nothing secret ever runs in a child.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..assignment import Job
+from ..errors import GraderError
+from ..rubric import KIT_ROOT
+from ..runner import Harness, Session, SessionResult, run_sessions
+from ..sandbox import make_private
+from ..submission import pristine_tree
+from .compare import loss_error
+from .rubric import A1Profile, A1Rubric
+
+HARNESS = Path(__file__).with_name("harness.py")
+COLLECTIVES = KIT_ROOT / "a1_infra" / "tests" / "collectives.py"  # the kit's own: the harness imports it
+
+
+def weights_mb(profile: A1Profile) -> int:
+    """float32 weights of the profile's model, from the pristine kit's config (not the submission's)."""
+    from onenode.model import count_parameters, get_preset
+
+    total, _ = count_parameters(get_preset(profile.preset, **profile.overrides))
+    return 4 * total // 2**20
+
+
+@dataclass
+class Reference:
+    tree: Path  # the pristine starter copy
+    moe: SessionResult
+    train: SessionResult  # the starter in the profile's reference layout: the loss trajectory
+    ep: SessionResult | None  # the starter in the ep layout: bytes and step time to beat
+    moe_weights: Path
+    model_weights: Path
+
+
+@dataclass
+class A1Job(Job):
+    rubric: A1Rubric
+    profile: A1Profile
+    starter_logs: Path  # where the starter's runs leave their logs
+    _reference: Reference | None = None
+    notebooks: bool = True  # False: code parts only (a GPU node without nbgrader; notebooks graded elsewhere)
+
+    def __post_init__(self):
+        rng = random.Random(self.seed)
+        self.init_seed = rng.randrange(2**31)
+        moe = self.profile.moe
+        self.moe_seeds = [rng.randrange(2**31) for _ in range(moe["warmup"] + moe["repeats"])]
+        self.train_seeds = [rng.randrange(2**31) for _ in range(self.profile.warmup + self.profile.repeats)]
+        # files may hold the job's weights twice over (the reference weights the grader hands in)
+        self.harness = Harness(HARNESS, (COLLECTIVES,), max(1024, 2 * weights_mb(self.profile)))
+
+    def spec(self, kind: str, **extra) -> dict:
+        p = self.profile
+        return {"kind": kind, "preset": p.preset, "overrides": p.overrides, "device": p.device, "dtype": p.dtype,
+                "init_seed": self.init_seed, "moe": p.moe, "batch": p.batch,
+                "seq_len": p.seq_len, **extra}
+
+    @property
+    def reference(self) -> Reference:
+        if self._reference is None:
+            self._reference = self._run_reference()
+        return self._reference
+
+    def world(self) -> int:
+        """Ranks of the job's children: enough for the widest layout."""
+        return max(layout["world"] for layout in self.profile.layouts.values())
+
+    def sessions(self, starter: bool = False) -> list[Session]:
+        """Part 1's MoE session, then a training session per layout. The starter's sessions save
+        the weights (and skip pp, which cannot work there); a submission's load them."""
+        p = self.profile
+        if starter:
+            sessions = [Session("moe", self.spec("moe", weights_out="moe.pt"), self.moe_seeds),
+                        Session("reference", self.spec("train", layout=p.layouts["reference"], weights_out="model.pt"),
+                                self.train_seeds)]
+            layouts = ["ep"]
+        else:
+            sessions = [Session("moe", self.spec("moe", weights_in="moe.pt"), self.moe_seeds)]
+            layouts = ["ep", "pp"]
+        return sessions + [Session(name, self.spec("train", layout=p.layouts[name], weights_in="model.pt"),
+                                   self.train_seeds) for name in layouts if name in p.layouts]
+
+    def _run_reference(self) -> Reference:
+        """The unpatched starter through the same harness; its own runs must agree."""
+        tree = pristine_tree(self.workdir / "starter")
+        logs = self.starter_logs
+        moe_weights, model_weights = self.workdir / "moe.pt", self.workdir / "model.pt"
+        runs = run_sessions(self.harness, tree, self.profile, self.world(), self.sessions(starter=True), logs,
+                            files_out={"moe.pt": moe_weights, "model.pt": model_weights})
+        for name, run in runs.items():
+            if not run.ok:
+                raise GraderError(f"the unpatched starter's {name} session failed ({run.error}): see {logs}")
+        ep = runs.get("ep")
+        if ep is not None:
+            error = loss_error(runs["reference"].digests, ep.digests)
+            if error > self.profile.rtol:
+                raise GraderError(f"the starter's ep and reference layouts disagree (relative error {error:.2g} > "
+                                  f"rtol {self.profile.rtol:g}): the profile's tolerance is too tight for this machine")
+            if not all(d["bytes"].get("all_gather") for d in ep.digests):
+                raise GraderError("the collective counter saw no all-gather in the starter's ep run: "
+                                  "torch.distributed's API changed? (a1_infra/tests/collectives.py COLLECTIVES)")
+        return Reference(tree, runs["moe"], runs["reference"], ep, moe_weights, model_weights)
+
+
+def new_job(rubric: A1Rubric, profile_name: str, workdir: Path, starter_logs: Path, seed: int | None = None,
+            notebooks: bool = True) -> A1Job:
+    """A grading job. The kit's reference solutions become grader-only before any submission runs."""
+    make_private(KIT_ROOT / "solutions")
+    seed = secrets.randbelow(2**31) if seed is None else seed
+    return A1Job(rubric, rubric.profile(profile_name), seed, workdir, starter_logs, notebooks=notebooks)

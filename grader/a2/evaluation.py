@@ -1,0 +1,75 @@
+"""Evaluating a checkpoint: the kit's own `onenode eval` reads its weights inside
+`grader.sandbox` (no network, memory, time and file limits), because a checkpoint is untrusted
+input; the offline suite the evaluation runs on is built here too."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from ..rubric import KIT_ROOT
+from ..sandbox import Limits, SandboxError, make_scratch, run_sandboxed
+from .rubric import A2Profile
+
+SUITE_SEED = 1234  # the offline suite's items: the same for every job, recorded as the results' seed
+
+
+def evaluate_sandboxed(checkpoint: Path, profile: A2Profile, suite_dir: Path | None, logs: Path,
+                       label: str) -> tuple[dict | None, str | None]:
+    """`onenode eval` of the pristine kit on `checkpoint`, sandboxed; (report, error)."""
+    scratch = make_scratch()
+    try:
+        shutil.copytree(KIT_ROOT / "starter_code", scratch / "starter_code",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(checkpoint, scratch / "checkpoint", ignore=shutil.ignore_patterns("run_manifest.json"))
+        argv = [sys.executable, "-m", "onenode.eval.cli", "checkpoint", "--suite", profile.suite,
+                "--device", profile.device, "--batch-size", str(profile.batch_size),
+                "--max-length", str(profile.max_length), "--out", "report.json"]
+        if profile.limit:
+            argv += ["--limit", str(profile.limit)]
+        if suite_dir is not None:
+            shutil.copytree(suite_dir, scratch / "suite")
+            _retarget_tasks(scratch / "suite")
+            argv += ["--tasks-dir", "suite", "--val-text", "suite/heldout.txt",
+                     "--val-seq-len", str(profile.max_length)]
+        env = {"OMP_NUM_THREADS": str(profile.threads), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+        if profile.hf_home:
+            env["HF_HOME"] = profile.hf_home
+        limits = Limits(wall_s=profile.timeout_s, cpu_s=profile.timeout_s * max(1, profile.threads),
+                        memory_mb=profile.memory_mb or None, nproc=512)
+        try:
+            result = run_sandboxed(argv, cwd=scratch, env=env, limits=limits)
+        except SandboxError as e:
+            return None, f"sandbox: {e}"
+        log = (result.stdout + b"\n" + result.stderr).decode("utf-8", errors="replace")
+        (logs / f"eval-{label}.log").write_text(log, encoding="utf-8")
+        report_file = scratch / "report.json"
+        if not result.ok or not report_file.is_file():
+            tail = " ".join(log.strip().splitlines()[-1:])[:300]
+            return None, f"evaluation failed ({result.reason or 'no report'}): {tail}"
+        return json.loads(report_file.read_text()), None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _retarget_tasks(suite: Path) -> None:
+    """Point the copied task YAML files at the copied data files (lm-eval wants absolute paths)."""
+    import yaml
+
+    for path in suite.glob("*.yaml"):
+        spec = yaml.safe_load(path.read_text())
+        files = spec["dataset_kwargs"]["data_files"]
+        files["test"] = str((suite / Path(files["test"]).name).resolve())
+        path.write_text(yaml.safe_dump(spec, sort_keys=False))
+
+
+def build_suite(folder: Path) -> Path:
+    """The offline suite plus its held-out text (for token-level val loss), in `folder`."""
+    from onenode.eval.suite import build_offline_suite
+
+    build_offline_suite(folder, seed=SUITE_SEED)
+    passages = [json.loads(line)["text"] for line in (folder / "onenode_heldout.jsonl").read_text().splitlines()]
+    (folder / "heldout.txt").write_text("\n\n".join(passages) + "\n", encoding="utf-8")
+    return folder

@@ -1,0 +1,64 @@
+"""An A2 submission: a run folder of `onenode train`, checked for what grading needs. Nothing of
+it runs; its JSON files are read here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SubmissionError
+
+CHECKPOINT_DIRS = ("final", "checkpoint")
+
+
+@dataclass
+class A2Submission:
+    name: str
+    root: Path
+    checkpoint: Path
+    recipe: Path
+    manifest: Path
+    metrics: Path
+    notebook: Path | None
+    data: Path | None
+
+
+def load_submission(path: str | Path) -> A2Submission:
+    root = Path(path)
+    if not root.is_dir():
+        raise SubmissionError(f"{root} is not a folder: an A2 submission is a run folder (final/, recipe.yaml, "
+                              "run_manifest.json, metrics.jsonl, report.ipynb)")
+    links = [p for p in root.rglob("*") if p.is_symlink()]
+    if links:
+        raise SubmissionError(f"{links[0].relative_to(root)} is a symbolic link: copy the file itself")
+    checkpoint = next((root / d for d in CHECKPOINT_DIRS if (root / d / "config.json").is_file()), None)
+    if checkpoint is None:
+        raise SubmissionError("no final/config.json: submit the run's final/ folder (the transformers export)")
+    found = {}
+    for name in ("recipe.yaml", "run_manifest.json", "metrics.jsonl"):
+        if not (root / name).is_file():
+            raise SubmissionError(f"{name} is missing: submit the whole run folder that `onenode train` wrote")
+        found[name] = root / name
+    notebook = root / "report.ipynb"
+    data = root / "data"
+    return A2Submission(root.name, root, checkpoint, found["recipe.yaml"], found["run_manifest.json"],
+                        found["metrics.jsonl"], notebook if notebook.is_file() else None,
+                        data if (data / "manifest.json").is_file() else None)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SubmissionError(f"{path.name} is not valid JSON ({e}): submit the file the trainer wrote") from None
+    if not isinstance(data, dict):
+        raise SubmissionError(f"{path.name} is not a JSON object")
+    return data
+
+
+def read_metrics(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise SubmissionError(f"metrics.jsonl has a line that is not JSON ({e})") from None

@@ -1,0 +1,46 @@
+"""A2's rubric (`a2_pretrain/rubric.toml`): points per category, and per hardware profile the
+token budget, the evaluation suite, the baseline and the tiers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from ..report import test_entry
+from ..rubric import KIT_ROOT, Profile, Rubric, read_toml
+
+RUBRIC_PATH = KIT_ROOT / "a2_pretrain" / "rubric.toml"
+# points key (and test tag) -> test name
+TITLES = {"budget": "Token budget and run audit", "benchmarks": "Benchmarks vs baseline",
+          "heldout": "Held-out perplexity vs baseline"}
+
+
+@dataclass(frozen=True)
+class A2Profile(Profile):
+    token_budget: int
+    suite: str  # "offline" (built by the grader) or "standard" (lm-eval's tasks)
+    benchmark_tiers: list  # [[accuracy gain over the baseline, share], ...]
+    heldout_tiers: list  # [[baseline perplexity / yours, share], ...]
+    max_length: int = 2048
+    batch_size: int = 16
+    limit: int | None = None  # items per task
+    baseline_recipe: str | None = None
+    baseline_set: dict = field(default_factory=dict)
+    baseline_checkpoint: str | None = None
+    hf_home: str | None = None
+
+
+@dataclass(frozen=True)
+class A2Rubric(Rubric):
+    points: dict[str, float]
+    kind: ClassVar[str] = "A2 profile"
+
+    def zero_tests(self, reason: str) -> list[dict]:
+        return [test_entry(title, 0, self.points[key], reason, key) for key, title in TITLES.items()]
+
+
+def load_rubric(path: str | Path = RUBRIC_PATH) -> A2Rubric:
+    raw = read_toml(path)
+    profiles = {name: A2Profile(name=name, **spec) for name, spec in raw["profiles"].items()}
+    return A2Rubric(profiles, {k: float(v) for k, v in raw["points"].items()})

@@ -1,0 +1,109 @@
+"""Scoring A2: the audit gates everything, then the benchmarks and the held-out perplexity
+against the baseline's, evaluated in the same job, and the report notebook."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+from ..assignment import Graded
+from ..report import test_entry
+from ..rubric import tier_share
+from .audit import Check, audit_run
+from .contamination import contamination
+from .evaluation import evaluate_sandboxed
+from .intake import A2Submission, load_submission, read_json
+from .job import A2Job
+from .rubric import TITLES
+
+
+def score(job: A2Job, checks: list[Check], report: dict | None, error: str | None) -> Graded:
+    """Tests and leaderboard entries from the audit and the evaluation, against the baseline."""
+    points, profile = job.rubric.points, job.profile
+    res = Graded()
+    verified = bool(checks) and all(c.ok for c in checks)
+    audit_text = "; ".join(f"{c.name}: {'ok' if c.ok else 'FAILED'} ({c.detail})" for c in checks)
+    res.tests.append(test_entry(TITLES["budget"], points["budget"] if verified else 0,
+                                points["budget"], audit_text, "budget"))
+    res.numbers["verified"] = verified
+    if report is None:
+        reason = f"not evaluated: {error}"
+        res.failures["evaluation"] = error or ""
+        res.tests += [test_entry(TITLES[key], 0, points[key], reason, key) for key in ("benchmarks", "heldout")]
+        return res
+    base = job.baseline
+    gate = "" if verified else " (no points: the run is not verified)"
+    choice_tasks = [t for t, e in report["headline"].items() if e["higher_is_better"]]
+    per_task = points["benchmarks"] / max(1, len(choice_tasks))
+    for task, entry in report["headline"].items():
+        value, ref = entry["value"], base["headline"].get(task, {}).get("value")
+        res.numbers[task] = value
+        res.leaderboard.append({"name": f"{task} {entry['metric']}", "value": _round(value),
+                                **({} if entry["higher_is_better"] else {"order": "asc"})})
+        if value is None or ref is None:
+            earned, line = 0.0, f"{task}: no score"
+        elif entry["higher_is_better"]:
+            earned = per_task * tier_share(profile.benchmark_tiers, value - ref)
+            line = f"{task} {entry['metric']} {value:.4f} vs baseline {ref:.4f} ({value - ref:+.4f})"
+        else:
+            ratio = ref / value if value > 0 else 0.0
+            earned = points["heldout"] * tier_share(profile.heldout_tiers, ratio)
+            res.tests.append(test_entry(TITLES["heldout"], earned if verified else 0, points["heldout"],
+                                        f"{task} {entry['metric']} {value:.3f} vs baseline {ref:.3f} "
+                                        f"(baseline/yours {ratio:.3f}; tiers "
+                                        + ", ".join(f">= {t:g} -> {s:.0%}" for t, s in profile.heldout_tiers)
+                                        + f"){gate}", "heldout"))
+            continue
+        res.tests.append(test_entry(f"Benchmark: {task}", earned if verified else 0, per_task, line + gate,
+                                    "benchmarks"))
+    heldout = report.get("heldout")
+    if heldout:
+        res.numbers.update(val_loss=heldout["loss"], val_ppl=heldout["perplexity"])
+        res.leaderboard += [{"name": "val loss", "value": _round(heldout["loss"]), "order": "asc"},
+                            {"name": "val perplexity", "value": _round(heldout["perplexity"]), "order": "asc"}]
+    res.output = ("Verified run" if verified else "Run NOT verified: " + "; ".join(
+        f"{c.name}: {c.detail}" for c in checks if not c.ok)) + f". Suite {report['suite']} on {profile.device}."
+    return res
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else round(value, 4)
+
+
+def grade_notebook(notebook: Path | None, logs: Path) -> list[dict]:
+    """report.ipynb through nbgrader (grader/notebook.py), against the A2 template."""
+    from .. import notebook as notebooks
+
+    return notebooks.grade(notebook, logs, assignment="a2")
+
+
+def run_facts(sub: A2Submission) -> dict:
+    """What the leaderboard shows about a run, from its manifest and recipe (as submitted)."""
+    manifest = read_json(sub.manifest)
+    recipe = manifest.get("recipe") or {}
+    data = recipe.get("data", {})
+    return {"parameters": manifest.get("parameters", {}), "tokens_seen": manifest.get("tokens_seen"),
+            "optimizer": recipe.get("optimizer", {}).get("name"),
+            "data": data.get("path") or data.get("source"),
+            "pattern": manifest.get("model_config", {}).get("hybrid_override_pattern")}
+
+
+def grade(job: A2Job, path: Path, work: Path, logs: Path) -> Graded:
+    """Audit, contamination, sandboxed evaluation against the baseline, the notebook. Nothing of
+    the submission runs, so it needs no scratch folder (`work`)."""
+    sub = load_submission(path)
+    checks = audit_run(sub, job.profile.token_budget)
+    if job.suite_dir is not None:
+        found = contamination(sub, job.suite_dir)
+        if found is not None:
+            checks.append(found)
+    report, error = evaluate_sandboxed(sub.checkpoint, job.profile, job.suite_dir, logs, "submission")
+    graded = score(job, checks, report, error)
+    if report is not None:
+        (logs / "eval-report.json").write_text(json.dumps(report, indent=2) + "\n")
+    graded.tests += grade_notebook(sub.notebook, logs)
+    shutil.copy2(sub.metrics, logs / "metrics.jsonl")  # the leaderboard's loss curve
+    graded.facts = {"run": run_facts(sub), "audit": [c.__dict__ for c in checks]}
+    return graded

@@ -1,0 +1,61 @@
+"""The one interface between the grader's core and an assignment.
+
+torchtitan's pattern (a spec per model, one trainer): each assignment package builds one
+`Assignment` (`grader/a1/__init__.py`, `grader/a2/__init__.py`), `grader/assignments.py` lists
+them, and the core (`cohort.py`, `cli.py`, `leaderboard.py`) drives any of them the same way:
+intake, atomic and resumable cohort grading, results.json and feedback, cohort.csv, the terminal
+table, the leaderboard, the command line. A new assignment is a new package and one line there.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .rubric import Profile, Rubric
+
+
+@dataclass
+class Job:
+    """One grading run of an assignment, shared by all its submissions."""
+
+    rubric: Rubric
+    profile: Profile
+    seed: int  # recorded in every result: what the job drew its workloads from
+    workdir: Path  # grader-private scratch of the job
+
+
+@dataclass
+class Graded:
+    """What grading one submission gave, before the core writes it out."""
+
+    tests: list[dict] = field(default_factory=list)  # Gradescope test entries
+    leaderboard: list[dict] = field(default_factory=list)  # Gradescope leaderboard entries
+    numbers: dict = field(default_factory=dict)  # measurements for cohort.csv and the leaderboard
+    failures: dict[str, str] = field(default_factory=dict)  # run -> what went wrong, for the feedback
+    output: str = ""  # the results' top line
+    facts: dict = field(default_factory=dict)  # more of results.json's extra_data
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """An assignment as the core sees it."""
+
+    name: str  # its command, `onenode-grade NAME`
+    label: str  # "A1": results.json's extra_data["assignment"] and the leaderboard's section
+    help: str  # its line in `onenode-grade --help`
+    submission_help: str  # what SUBMISSION is
+    archives: bool  # whether a submission may be an archive as well as a folder
+    rubric_path: Path
+    load_rubric: Callable[[Path], Rubric]
+    add_options: Callable[[argparse.ArgumentParser], None]  # its command's options beyond the shared ones
+    new_job: Callable[[Rubric, str, Path, argparse.Namespace], Job]  # (rubric, profile, workdir, the command's args)
+    # (job, submission, a private scratch folder for it, its logs/) -> what it earned; raises SubmissionError
+    grade: Callable[[Job, Path, Path, Path], Graded]
+    csv_columns: Callable[[dict], dict]  # a results.json -> its cohort.csv columns between the score and the note
+    table: Callable[[list[dict]], list[list[str]]]  # cohort.csv rows -> the terminal table, header first
+    leaderboard_title: str
+    leaderboard_columns: Callable[[list], list[tuple]]  # its entries -> [(header, read a results.json, format)]
+    leaderboard_plots: tuple[tuple[str, Callable], ...] = ()  # (PNG name, plot(entries, path, pyplot) -> drawn)
