@@ -46,7 +46,8 @@ def test_missing_extra_at_run_time_says_what_to_install(subcommand, monkeypatch,
     monkeypatch.setitem(sys.modules, "lm_eval", None)
     subcommand(REGISTER + "def run(args):\n    import lm_eval.tasks\n")
     assert cli.main(["probe"]) == 2
-    assert capsys.readouterr().err == "onenode probe: needs lm_eval, which is not installed: pip install 'onenode[eval]'\n"
+    expected = "onenode probe: needs lm_eval, which is not installed: pip install 'onenode[eval]'\n"
+    assert capsys.readouterr().err == expected
 
 
 @pytest.mark.parametrize("source", ["import onenode.no_such_module\n" + REGISTER,

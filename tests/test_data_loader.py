@@ -86,7 +86,9 @@ def test_ranks_get_disjoint_slices_of_the_same_stream(data_dir):
 
 @pytest.mark.parametrize("stop", [0, 1, 4, 9])
 def test_resume_at_any_step_replays_the_same_stream(data_dir, stop):
-    make = lambda: MixtureLoader(data_dir, batch_size=2, seq_len=256, seed=7, rank=1, world_size=2)
+    def make():
+        return MixtureLoader(data_dir, batch_size=2, seq_len=256, seed=7, rank=1, world_size=2)
+
     straight = make()
     expected = take(straight, 12)
     first = make()

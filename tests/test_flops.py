@@ -68,7 +68,7 @@ def test_whole_model_matches_flop_counter(tiny):
     assert forward == full.forward_matmul_flops
     assert both == FORWARD_BACKWARD * full.forward_matmul_flops
     # The causal convention removes exactly half of each attention layer's square.
-    removed = sum(l.matmul.get("attention_core", 0) for l in full.layers) // 2
+    removed = sum(layer.matmul.get("attention_core", 0) for layer in full.layers) // 2
     assert causal.forward_matmul_flops == full.forward_matmul_flops - removed
     assert causal.matmul_flops_per_token == pytest.approx(3 * causal.forward_matmul_flops / (BATCH * SEQ))
 

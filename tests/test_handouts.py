@@ -237,7 +237,8 @@ def test_rubric_tables_match_the_rubrics():
         performance = part.get("speed", part.get("feature"))
         correctness, perf = rows[part["title"]][:2]
         assert correctness == str(part["correctness"]) and perf.startswith(str(performance)), (
-            f"{part['title']}: the handout says {correctness} and {perf}, rubric.toml {part['correctness']} and {performance}")
+            f"{part['title']}: the handout says {correctness} and {perf}, "
+            f"rubric.toml {part['correctness']} and {performance}")
     a2 = tomllib.loads((KIT / "a2_pretrain/rubric.toml").read_text())
     rows = _table_rows("a2_pretrain/README.md")
     labels = {"budget": "token budget and run audit", "benchmarks": "benchmarks", "heldout": "held-out perplexity",
@@ -246,7 +247,8 @@ def test_rubric_tables_match_the_rubrics():
         assert rows.get(labels.get(key, key), [None])[0] == str(points), (
             f"the A2 handout's table gives {key!r} {rows.get(labels.get(key, key))}, rubric.toml {points} points")
     budget = a2["profiles"]["h100x8"]["token_budget"]
-    assert f"{budget:,}" in (KIT / "a2_pretrain/README.md").read_text(), f"the A2 handout does not state the {budget:,}-token budget"
+    assert f"{budget:,}" in (KIT / "a2_pretrain/README.md").read_text(), (
+        f"the A2 handout does not state the {budget:,}-token budget")
 
 
 def test_public_tests_need_only_what_students_get():
@@ -303,7 +305,8 @@ def run_quick_blocks(doc: str, repo: Path, tmpdir: Path) -> list[str]:
             failures.append(f"{doc}:{line} exited {done.returncode}:\n{done.stdout[-1000:]}\n{done.stderr[-1000:]}")
         missing = [out for out in (expected or "").splitlines() if out.strip() and out.strip() not in done.stdout]
         if missing:
-            failures.append(f"{doc}:{line}: the document says it prints {missing[0]!r}; it printed:\n{done.stdout[-1000:]}")
+            failures.append(f"{doc}:{line}: the document says it prints {missing[0]!r}; "
+                            f"it printed:\n{done.stdout[-1000:]}")
     return failures
 
 

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from onenode import load_pretrained
 from onenode.model import (
     PRESETS,
     NemotronHForCausalLM,
@@ -14,7 +15,7 @@ from onenode.model import (
     get_preset,
     routed_expert_parameters,
 )
-from onenode.model.hf_io import adapt_state_dict, load_pretrained, save_pretrained
+from onenode.model.hf_io import adapt_state_dict, save_pretrained
 from onenode.model.moe import MoE
 
 
@@ -184,7 +185,8 @@ def test_bad_checkpoints_fail_with_one_clear_line(tmp_path):
     (good / "config.json").write_text(json.dumps(hf_config | {"vocab_size": 256}))
     with pytest.raises(ValueError, match="shape mismatch for backbone.embeddings.weight"):
         load_pretrained(good)
-    (good / "config.json").write_text(json.dumps(hf_config | {"layers_block_type": hf_config["layers_block_type"][:-1]}))
+    shorter = hf_config | {"layers_block_type": hf_config["layers_block_type"][:-1]}
+    (good / "config.json").write_text(json.dumps(shorter))
     with pytest.raises(ValueError, match="lacks, e.g. backbone.layers.7"):
         load_pretrained(good)
 

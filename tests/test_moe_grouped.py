@@ -37,9 +37,10 @@ def grouped_side(folder: str) -> dict:
 
     import torch
 
+    from onenode import load_pretrained
     from onenode.model import build_model
     from onenode.model import moe as moe_module
-    from onenode.model.hf_io import adapt_state_dict, load_pretrained, save_pretrained
+    from onenode.model.hf_io import adapt_state_dict, save_pretrained
 
     folder = Path(folder)
     saved = torch.load(folder / "starter.pt", weights_only=False)
@@ -80,8 +81,9 @@ def grouped_side(folder: str) -> dict:
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
+    from onenode import load_pretrained
     from onenode.model import build_model
-    from onenode.model.hf_io import load_pretrained, save_pretrained
+    from onenode.model.hf_io import save_pretrained
 
     folder = tmp_path_factory.mktemp("moe")
     model = build_model(_config(), seed=1)

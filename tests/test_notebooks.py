@@ -116,7 +116,8 @@ def test_reference_notebook_runs_on_cpu_with_the_tiny_preset(tmp_path, monkeypat
 
     monkeypatch.delenv("NBGRADER_EXECUTION", raising=False)
     nb = nbformat.read(REFERENCE, as_version=4)
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    resources = {"metadata": {"path": str(tmp_path)}}
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources=resources).execute()
     runs = tmp_path / "report_runs" / "cpu-tiny"
     assert (runs / "before.json").is_file() and (runs / "after.json").is_file()
     assert any((runs / "profile").iterdir()), "the profile cell wrote no trace"

@@ -198,7 +198,7 @@ def _assert_same_training(reference: dict, candidate: dict, what: str) -> None:
     assert candidate["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4), f"{what}: grad norms differ"
     for name, grad in candidate["grads"].items():
         torch.testing.assert_close(torch.tensor(grad), torch.tensor(reference["grads"][name]), rtol=1e-4, atol=1e-7,
-                                   msg=lambda m: f"{what}, gradient of {name}: {m}")
+                                   msg=lambda m, name=name: f"{what}, gradient of {name}: {m}")
 
 
 def _merge_ranks(ranks: list[dict]) -> dict:

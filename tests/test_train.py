@@ -61,8 +61,10 @@ def test_tiny_stops_exactly_at_budget_and_loss_falls(tiny_run):
     assert manifest["final_losses"]["val"] < records[0]["loss"]
     # the lr the trainer used follows the schedule (records are logged after their step)
     for r in records:
-        assert r["lr"] == pytest.approx(recipe.optimizer.lr * lr_factor(recipe.schedule, r["step"] - 1, recipe.total_steps))
-    checkpoint_meta = json.loads((tiny_run / "checkpoints" / f"step_{recipe.total_steps:08d}" / "meta.json").read_text())
+        scheduled = recipe.optimizer.lr * lr_factor(recipe.schedule, r["step"] - 1, recipe.total_steps)
+        assert r["lr"] == pytest.approx(scheduled)
+    last = tiny_run / "checkpoints" / f"step_{recipe.total_steps:08d}"
+    checkpoint_meta = json.loads((last / "meta.json").read_text())
     assert checkpoint_meta["tokens_seen"] == manifest["tokens_seen"]
     assert checkpoint_meta["data_digest"] == manifest["data_digest"]
     assert len(list((tiny_run / "checkpoints").glob("step_*"))) == recipe.checkpoint.keep_last

@@ -1,9 +1,10 @@
 """The grader's harness: runs INSIDE the sandboxed child and drives the patched `onenode`.
 
 Self-contained on purpose (copied next to the scratch tree and run as a script, with the kit's
-own `a1_infra/tests/collectives.py` beside it): it imports nothing from `grader`, and the student's `onenode` comes from the scratch copy on PYTHONPATH,
-which `_check_onenode` verifies. Everything it says is untrusted: the parent only compares the
-numbers it returns with the unpatched starter's, run through this same harness.
+own `a1_infra/tests/collectives.py` beside it): it imports nothing from `grader`, and the
+student's `onenode` comes from the scratch copy on PYTHONPATH, which `_check_onenode` verifies.
+Everything it says is untrusted: the parent only compares the numbers it returns with the
+unpatched starter's, run through this same harness.
 
 Protocol, one JSON object per line. The parent first sends the child's setup (`world`,
 `threads`, `device`, `tree`); the harness spawns `world` ranks (it never imports torch itself).
@@ -195,7 +196,8 @@ class TrainSession:
         rows = self.spec["batch"] // self.dp
         shard = tokens[dp_rank * rows:(dp_rank + 1) * rows].to(self.device)
         self.counter.take()
-        out = train_step(self.model, self.optimizer, shard[:, :-1].contiguous(), shard[:, 1:].contiguous(), grad_clip=1.0)
+        inputs, labels = shard[:, :-1].contiguous(), shard[:, 1:].contiguous()
+        out = train_step(self.model, self.optimizer, inputs, labels, grad_clip=1.0)
         moved = self.counter.take()
         loss = out["loss"]
         if self.world > 1:  # the mean over the ranks that computed a loss (last pipeline stage)

@@ -7,8 +7,17 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from .hf_io import convert
+from . import hf_io
+from .nemotron_h import build_model
+
+
+def convert(src: str | Path, dst: str | Path, layout: str = "hf") -> Path:
+    """Rewrite the checkpoint folder `src` at `dst` in the `hf` or `nvidia` layout."""
+    config, state_dict = hf_io.read_checkpoint(src)
+    target = hf_io.layout_of(build_model(config, device="meta"), layout)
+    return hf_io.write_layout(config, state_dict, target, dst)
 
 
 def register(subparsers) -> None:

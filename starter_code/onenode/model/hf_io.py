@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from .config import NemotronHConfig
-from .nemotron_h import NemotronHForCausalLM, build_model
 
 _PREFIXES = ("backbone.", "model.")
 _PER_EXPERT = re.compile(r"^(?P<base>.+\.experts)\.(?P<j>\d+)\.(?P<proj>up_proj|down_proj)\.weight$")
@@ -99,6 +98,16 @@ def adapt_state_dict(state_dict: dict[str, torch.Tensor], model: torch.nn.Module
     return _convert(state_dict, {k: v.shape for k, v in model.state_dict().items()})
 
 
+def layout_of(model: torch.nn.Module, layout: str) -> dict[str, torch.Size]:
+    """The keys and shapes `model`'s weights take in a public layout: `hf` (transformers-native)
+    or `nvidia` (the remote code's, this model's own)."""
+    if layout == "hf":
+        return _transformers_layout(model)
+    if layout == "nvidia":
+        return {k: v.shape for k, v in model.state_dict().items()}
+    raise ValueError(f"unknown layout {layout!r}: use hf or nvidia")
+
+
 def _transformers_layout(model: torch.nn.Module) -> dict[str, torch.Size]:
     """The transformers-native keys and shapes for `model`'s weights, whatever its expert layout."""
     config = model.config
@@ -157,22 +166,10 @@ def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     return state_dict
 
 
-def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None) -> NemotronHForCausalLM:
-    """A model from a checkpoint folder (config.json + safetensors) in either layout.
-
-    `dtype=None` keeps the checkpoint's dtype (that of its embedding); the router stays float32.
-    """
-    path = _folder(path)
-    config = NemotronHConfig.load(path)
-    state_dict = read_state_dict(path)
-    if dtype is None:
-        dtype = next((v.dtype for k, v in state_dict.items() if k.endswith("embeddings.weight")), torch.float32)
-    model = build_model(config, device="meta", dtype=dtype)
-    model.to_empty(device=device)
-    model.tie_weights()
-    model.load_state_dict(adapt_state_dict(state_dict, model))
-    return model
+def read_checkpoint(path: str | Path) -> tuple[NemotronHConfig, dict[str, torch.Tensor]]:
+    """The config and the tensors of a checkpoint folder, in whichever layout it was written."""
+    folder = _folder(path)
+    return NemotronHConfig.load(folder), read_state_dict(folder)
 
 
 def _write(folder: Path, config: NemotronHConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
@@ -185,7 +182,7 @@ def _write(folder: Path, config: NemotronHConfig, tensors: dict[str, torch.Tenso
               metadata={"format": "pt"})
 
 
-def save_pretrained(model: NemotronHForCausalLM, path: str | Path) -> Path:
+def save_pretrained(model: torch.nn.Module, path: str | Path) -> Path:
     """config.json + model.safetensors in the transformers-native layout, which
     `transformers.AutoModelForCausalLM.from_pretrained(path)` loads (same logits)."""
     path = Path(path)
@@ -194,17 +191,11 @@ def save_pretrained(model: NemotronHForCausalLM, path: str | Path) -> Path:
     return path
 
 
-def convert(src: str | Path, dst: str | Path, layout: str = "hf") -> Path:
-    """Rewrite a checkpoint folder in the transformers (`hf`) or NVIDIA remote-code layout."""
-    if layout not in ("hf", "nvidia"):
-        raise ValueError(f"unknown layout {layout!r}: use hf or nvidia")
-    config = NemotronHConfig.load(_folder(src))
-    state_dict = read_state_dict(src)
-    model = build_model(config, device="meta")
-    target = _transformers_layout(model) if layout == "hf" else {k: v.shape for k, v in model.state_dict().items()}
+def write_layout(config: NemotronHConfig, state_dict: dict[str, torch.Tensor], target: dict[str, torch.Size],
+                 dst: str | Path) -> Path:
+    """Write `state_dict` converted to the keys and shapes of `target` (a model's layout) as a folder."""
     if config.tie_word_embeddings:
         target.pop("lm_head.weight", None)
     tensors = _convert(state_dict, target)
     _write(Path(dst), config, tensors, next(iter(tensors.values())).dtype)
     return Path(dst)
-

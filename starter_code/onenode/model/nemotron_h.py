@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import hf_io
 from .attention import Attention
 from .config import NemotronHConfig
 from .mamba2 import Mamba2Mixer
@@ -96,16 +97,19 @@ class NemotronHForCausalLM(nn.Module):
                         dtype: torch.dtype | None = None) -> NemotronHForCausalLM:
         """A model from a checkpoint folder (config.json + safetensors) in either layout, transformers'
         or NVIDIA's remote code. `dtype=None` keeps the checkpoint's; the router stays float32."""
-        from .hf_io import load_pretrained  # hf_io builds this class: imported on use
-
-        return load_pretrained(path, device=device, dtype=dtype)
+        config, state_dict = hf_io.read_checkpoint(path)
+        if dtype is None:
+            dtype = next((v.dtype for k, v in state_dict.items() if k.endswith("embeddings.weight")), torch.float32)
+        model = build_model(config, device="meta", dtype=dtype)
+        model.to_empty(device=device)
+        model.tie_weights()
+        model.load_state_dict(hf_io.adapt_state_dict(state_dict, model))
+        return model
 
     def save_pretrained(self, path: str | Path) -> Path:
         """config.json + model.safetensors in the transformers-native layout, which
         `transformers.AutoModelForCausalLM.from_pretrained(path)` loads (same logits)."""
-        from .hf_io import save_pretrained
-
-        return save_pretrained(self, path)
+        return hf_io.save_pretrained(self, path)
 
     def tie_weights(self) -> None:
         """Share the embedding with the head when the config says so (again after `to_empty`,
