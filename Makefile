@@ -41,10 +41,12 @@ demo: setup
 
 ## Tests: the whole suite (CI runs this; under 20 minutes on 2 cores).
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --durations=20
 
 ## Quick loop while developing: skip the tests marked slow.
 test-fast: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not slow"
 
 ## System packages (Debian/Ubuntu, as root). bubblewrap: the grader's sandbox, without which it
