@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .meters import cpu_seconds, nvlink_tx_bytes
 from .rubric import Profile
 from .sandbox import Limits, SandboxedProcess, SandboxError, make_scratch, spawn_sandboxed
 
@@ -50,6 +51,12 @@ class SessionResult:
     info: dict | None = None
     digests: list[dict] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)  # per workload, measured by the grader
+    # Per workload, read by the grader from outside the child (meters.py, sandbox.py): bytes the
+    # child's processes sent each other (its loopback on CPU, NVLink on GPU; None: not observable
+    # here), and the most CPU seconds any one of its processes used.
+    traffic: list[int | None] = field(default_factory=list)
+    busiest_cpu_s: list[float] = field(default_factory=list)
+    gpu_memory: int | None = None  # the most GPU memory one of its processes held, after the session
     setup_s: float = 0.0  # from the session spec to "ready"
     error: str | None = None
     log_tail: str = ""  # the end of the child's log, when this session failed
@@ -127,28 +134,55 @@ class Child:
             result.error = reply.get("error") or DIED
         return result
 
+    def traffic(self) -> int | None:
+        """Bytes sent between this child's processes so far, by a counter the child cannot reach:
+        its own loopback (gloo), or the GPUs' NVLink counters (NCCL; the job owns the node)."""
+        if self.profile.device == "cuda":
+            return nvlink_tx_bytes()
+        return self.proc.network_bytes()
+
     def step(self, result: SessionResult, seed: int, deadline: float) -> None:
+        traffic, cpu = self.traffic(), cpu_seconds(self.proc.pids())
         reply, seconds = self.ask({"seed": seed}, deadline)
         if "digest" in reply:
+            after, cpu_after = self.traffic(), cpu_seconds(self.proc.pids())
             result.digests.append(reply["digest"])
             result.seconds.append(seconds)
+            result.traffic.append(None if traffic is None or after is None else after - traffic)
+            result.busiest_cpu_s.append(max((t - cpu.get(pid, 0.0) for pid, t in cpu_after.items()), default=0.0))
         else:
             result.error = reply.get("error") or DIED
+
+    def gpu_memory(self) -> int | None:
+        gpu = [m.gpu for m in self.proc.peak_memory_bytes().values() if m.gpu is not None]
+        return max(gpu) if gpu else None
 
     def run(self, session: Session, baseline: tuple[Child, Session] | None = None
             ) -> tuple[SessionResult, SessionResult | None]:
         """Run a session; with a `baseline` (the starter's child and session) the two take
-        turns step by step (ABBA), so both are timed on the same machine at the same time."""
+        turns step by step (ABBA), so both are timed on the same machine in the same minutes.
+        Whichever is timed runs alone: every process of the other is frozen meanwhile, so
+        nothing one leaves running (a CPU burner, say) can slow the other's turn."""
         deadline = time.monotonic() + self.profile.timeout_s
         pairs = [(self, session, self.open(session, deadline))]
         if baseline is not None:
             pairs.append((*baseline, baseline[0].open(baseline[1], deadline)))
         for i, seed in enumerate(session.seeds):
             for child, _, result in pairs if i % 2 == 0 else pairs[::-1]:
+                others = [other for other, _, _ in pairs if other is not child]
                 if result.ok:
-                    child.step(result, seed, deadline)
+                    for other in others:
+                        other.proc.pause()
+                    try:
+                        child.step(result, seed, deadline)
+                    finally:
+                        for other in others:
+                            other.proc.resume()
             if not pairs[0][2].ok:
                 break
+        for child, _, result in pairs:
+            if result.ok:
+                result.gpu_memory = child.gpu_memory()
         return pairs[0][2], (pairs[1][2] if baseline is not None else None)
 
     def close(self, logs: Path) -> tuple[str, str]:

@@ -49,7 +49,7 @@ def graded(tmp_path_factory):
         job = new_job(rubric, "cpu-tiny", out / "work", out / "starter-logs", seed=1234)
         build_cohort(out / "cohort")
         results = grade_cohort(A1, out / "cohort", job, out / "results", progress=False)
-    full = {key: part.correctness + part.performance for key, part in rubric.parts.items()}
+    full = {key: part.points for key, part in rubric.parts.items()}
     return {r["extra_data"]["submission"]: r for r in results}, full, out
 
 
@@ -72,6 +72,11 @@ def test_calibration(graded):
     assert _scores(wrong)["moe"] == 0
     assert wrong["tests"][0]["output"].startswith("wrong:")
     assert "zeroed" in wrong["tests"][1]["output"]
+    # the evidence behind parts 2 and 3 is what the grader saw move between the ranks
+    numbers = {name: r["extra_data"]["numbers"] for name, r in results.items()}
+    ratios = {name: n["expert_traffic_ratio"] for name, n in numbers.items()}
+    assert ratios["reference-full"] < 0.25 < ratios["starter-unchanged"]
+    assert numbers["part3-pp"]["pp_traffic_mb_per_step"] > 0
 
 
 @needs_solutions

@@ -70,20 +70,31 @@ def assert_nothing_leaked(out: Path, words: list[str]) -> None:
             assert word not in text, f"{word} in {path}"
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    """Part 1 of cpu-tiny with fewer repeats, one job for the module (the starter's reference runs
-    once). The notebook step is left out: no case attacks it, and setting up nbgrader's course
+def _job(tmp_path_factory, layouts: tuple[str, ...]):
+    """cpu-tiny with fewer repeats and only `layouts`, one job per module (the starter's reference
+    runs once). The notebook step is left out: no case attacks it, and setting up nbgrader's course
     alone costs more than all the cases."""
     rubric = load_rubric()
     tiny = rubric.profile("cpu-tiny")
-    profile = dataclasses.replace(tiny, name="redteam", layouts={"reference": tiny.layouts["reference"]},
+    profile = dataclasses.replace(tiny, name="redteam", layouts={k: tiny.layouts[k] for k in layouts},
                                   warmup=1, repeats=1, moe=dict(tiny.moe, warmup=1, repeats=3))
     rubric = dataclasses.replace(rubric, profiles={**rubric.profiles, "redteam": profile})
     workdir = make_private(tmp_path_factory.mktemp("redteam-job"))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(scoring, "STEPS", [step for step in scoring.STEPS if step is not scoring.grade_notebook])
         yield new_job(rubric, "redteam", workdir, starter_logs=workdir / "starter-logs", seed=20261130)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """Part 1's cases: the MoE layer and the reference layout only."""
+    yield from _job(tmp_path_factory, ("reference",))
+
+
+@pytest.fixture(scope="module")
+def layout_job(tmp_path_factory):
+    """Parts 2 and 3's cases: their layouts too."""
+    yield from _job(tmp_path_factory, ("reference", "ep", "pp"))
 
 
 def _grade(submission: Path, job, out: Path) -> dict:
@@ -104,7 +115,8 @@ def _marks(case: Case) -> list:
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=_marks(c)) for c in CASES])
-def test_adversarial_submission(case: Case, job, planted_cohort, tmp_path):
+def test_adversarial_submission(case: Case, planted_cohort, tmp_path, request):
+    job = request.getfixturevalue("layout_job" if case.part in ("ep", "pp") else "job")
     (tmp_path / "in").mkdir()
     results = _grade(case.build(KIT, tmp_path / "in"), job, tmp_path / "out")
 

@@ -23,14 +23,25 @@ def moe_error(ref: list[dict], sub: list[dict]) -> float:
     return max(_moe_digest_error(r, s) for r, s in zip(ref, sub))
 
 
+def _sketch_errors(ref: list, sub: list) -> list[float]:
+    """A sketch is projections then the norm (harness `_sketch`): each error relative to the norm."""
+    if len(ref) != len(sub):
+        return [math.inf]
+    return [relative_error(a, b, abs(ref[-1])) for a, b in zip(sub, ref)]
+
+
 def _moe_digest_error(ref: dict, sub: dict) -> float:
+    """Output, input gradient, each expert's gradients on their own (so a gradient in another
+    expert's slot, or of the wrong sign, shows), and the totals of every parameter's gradient."""
     try:
-        errors = []
-        for key in ("out", "dx"):
-            r, s = ref[key], sub[key]
-            if len(r) != len(s):
+        errors = _sketch_errors(ref["out"], sub["out"]) + _sketch_errors(ref["dx"], sub["dx"])
+        for projection, experts in ref["experts"].items():
+            theirs = sub["experts"][projection]
+            if len(theirs) != len(experts):
                 return math.inf
-            errors += [relative_error(a, b, abs(r[-1])) for a, b in zip(s, r)]  # projections ~ the norm
+            # an expert no token chose has a zero gradient: its error is relative to the largest
+            scale = max(abs(e[-1]) for e in experts)
+            errors += [relative_error(a, b, scale) for r, t in zip(experts, theirs) for a, b in zip(t, r)]
         _, l1, l2 = ref["dparams"]
         _, m1, m2 = sub["dparams"]
         errors += [relative_error(m1, l1, l1), relative_error(m2, l2, 2 * l2)]

@@ -2,8 +2,10 @@
 and shared by every submission of the job.
 
 The job picks a random seed (recorded in every result) and runs the unpatched starter through
-the harness: the MoE digests and times, the loss trajectory of the reference layout, the
-starter's expert-parallel run with its collective bytes. Nothing secret ever runs in a child.
+the harness: the MoE digests and times (and, on bfloat16 profiles, the same layer computed in
+float32: what a submission's layer is compared with), the loss trajectory and step time of the
+reference layout, the starter's ep layout (plain FSDP: its EP is never applied) with the traffic
+between its ranks. Nothing secret ever runs in a child.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ def weights_mb(profile: A1Profile) -> int:
 @dataclass
 class Reference:
     tree: Path  # the pristine starter copy
-    moe: SessionResult
-    train: SessionResult  # the starter in the profile's reference layout: the loss trajectory
-    ep: SessionResult | None  # the starter in the ep layout: bytes and step time to beat
+    moe: SessionResult  # the starter's MoE layer in the profile's dtype
+    moe_exact: SessionResult  # the same layer on the same inputs in float32 (itself, on float32 profiles)
+    train: SessionResult  # the starter in the profile's reference layout: the loss trajectory, the step time
+    ep: SessionResult | None  # the starter in the ep layout: the traffic and step time to beat
     moe_weights: Path
     model_weights: Path
 
@@ -82,13 +85,16 @@ class A1Job(Job):
         the weights (and skip pp, which cannot work there); a submission's load them."""
         p = self.profile
         if starter:
-            sessions = [Session("moe", self.spec("moe", weights_out="moe.pt"), self.moe_seeds),
-                        Session("reference", self.spec("train", layout=p.layouts["reference"], weights_out="model.pt"),
-                                self.train_seeds)]
+            sessions = [Session("moe", self.spec("moe", weights_out="moe.pt"), self.moe_seeds)]
+            if p.dtype != "float32":
+                exact = self.spec("moe", weights_in="moe.pt", compute_dtype="float32")
+                sessions.append(Session("moe-exact", exact, self.moe_seeds))
+            layout = self.spec("train", layout=p.layouts["reference"], weights_out="model.pt")
+            sessions.append(Session("reference", layout, self.train_seeds))
             layouts = ["ep"]
         else:
             sessions = [Session("moe", self.spec("moe", weights_in="moe.pt"), self.moe_seeds)]
-            layouts = ["ep", "pp"]
+            layouts = ["reference", "ep", "pp"]
         return sessions + [Session(name, self.spec("train", layout=p.layouts[name], weights_in="model.pt"),
                                    self.train_seeds) for name in layouts if name in p.layouts]
 
@@ -108,10 +114,12 @@ class A1Job(Job):
             if error > self.profile.rtol:
                 raise GraderError(f"the starter's ep and reference layouts disagree (relative error {error:.2g} > "
                                   f"rtol {self.profile.rtol:g}): the profile's tolerance is too tight for this machine")
-            if not all(d["bytes"].get("all_gather") for d in ep.digests):
-                raise GraderError("the collective counter saw no all-gather in the starter's ep run: "
-                                  "torch.distributed's API changed? (a1_infra/tests/collectives.py COLLECTIVES)")
-        return Reference(tree, runs["moe"], runs["reference"], ep, moe_weights, model_weights)
+            if not all(ep.traffic):
+                raise GraderError("no traffic seen between the ranks of the starter's ep run: this machine "
+                                  "cannot observe it (a network namespace on CPU, nvidia-smi's NVLink counters "
+                                  "on GPU are needed; docs/SECURITY.md)")
+        exact = runs.get("moe-exact", runs["moe"])
+        return Reference(tree, runs["moe"], exact, runs["reference"], ep, moe_weights, model_weights)
 
 
 def new_job(rubric: A1Rubric, profile_name: str, workdir: Path, starter_logs: Path, seed: int | None = None,

@@ -3,11 +3,12 @@ workloads, layouts and thresholds."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..report import test_entry
-from ..rubric import KIT_ROOT, Profile, Rubric, read_toml, tier_share
+from ..rubric import KIT_ROOT, Profile, Rubric, read_toml
 
 RUBRIC_PATH = KIT_ROOT / "a1_infra" / "rubric.toml"
 
@@ -17,13 +18,28 @@ class Part:
     key: str  # "moe", "ep", "pp"
     title: str
     correctness: float
-    performance: float  # the speed or feature points
-    performance_kind: str  # "speed" or "feature"
+    feature: float  # 0: the part has no feature check of its own (Part 1's is its layer's speed)
+    speed: float
 
-    def tests(self, correct_points: float, perf_points: float, correct_out: str, perf_out: str) -> list[dict]:
-        """The part's two Gradescope tests: its correctness, then its speed or feature."""
-        return [test_entry(f"{self.title}: correctness", correct_points, self.correctness, correct_out, self.key),
-                test_entry(f"{self.title}: {self.performance_kind}", perf_points, self.performance, perf_out, self.key)]
+    def tests(self, points: tuple[float, float, float], outputs: tuple[str, str, str]) -> list[dict]:
+        """The part's Gradescope tests: correctness, feature (where it has one), speed; `points`
+        and `outputs` in that order."""
+        names = ("correctness", "feature", "speed")
+        maxima = (self.correctness, self.feature, self.speed)
+        return [test_entry(f"{self.title}: {name}", got, most, out, self.key)
+                for name, got, most, out in zip(names, points, maxima, outputs) if most > 0]
+
+    @property
+    def points(self) -> float:
+        return self.correctness + self.feature + self.speed
+
+
+def speed_share(value: float, low: float, high: float) -> float:
+    """0 at or below `low`, 1 at or above `high`, and in between the position of `value` on a log
+    scale: a continuous score, so timing noise moves it a little and never across a cliff."""
+    if not value > low:
+        return 0.0
+    return min(1.0, math.log(value / low) / math.log(high / low))
 
 
 @dataclass(frozen=True)
@@ -39,12 +55,13 @@ class A1Profile(Profile):
     repeats: int
     rtol: float
     moe: dict
-    speedup_tiers: list
-    max_expert_allgather: float
+    speed: dict  # measurement -> [low, high] speedup
+    max_expert_traffic: float
+    pipeline_traffic: list
     layouts: dict = field(default_factory=dict)
 
-    def speed_share(self, speedup: float) -> float:
-        return tier_share(self.speedup_tiers, speedup)
+    def speed_share(self, measurement: str, speedup: float) -> float:
+        return speed_share(speedup, *self.speed[measurement])
 
 
 @dataclass(frozen=True)
@@ -53,14 +70,13 @@ class A1Rubric(Rubric):
 
     def zero_tests(self, reason: str) -> list[dict]:
         """Every part's tests at 0 with one reason (a submission that could not run)."""
-        return [t for part in self.parts.values() for t in part.tests(0, 0, reason, reason)]
+        return [t for part in self.parts.values() for t in part.tests((0, 0, 0), (reason,) * 3)]
 
 
 def load_rubric(path: str | Path = RUBRIC_PATH) -> A1Rubric:
     raw = read_toml(path)
     parts = {}
     for key, part in raw["parts"].items():
-        kind = "speed" if "speed" in part else "feature"
-        parts[key] = Part(key, part["title"], float(part["correctness"]), float(part[kind]), kind)
+        parts[key] = Part(key, part["title"], *(float(part.get(k, 0)) for k in ("correctness", "feature", "speed")))
     profiles = {name: A1Profile(name=name, **spec) for name, spec in raw["profiles"].items()}
     return A1Rubric(profiles, parts)

@@ -20,7 +20,7 @@ from ..assignment import Graded
 from ..errors import GraderError
 from ..runner import Session, SessionResult, run_sessions
 from ..submission import Submission, load_submission, patched_tree
-from .compare import loss_error, moe_error, relative_error
+from .compare import loss_error, moe_error
 from .job import A1Job
 from .rubric import A1Profile, Part
 
@@ -46,119 +46,153 @@ class Context:
 
 def _not_on_profile(ctx: Context, part: Part, layout: str) -> None:
     note = f"not graded on profile {ctx.job.profile.name} (it has no {layout} layout)"
-    ctx.tests += [dict(t, max_score=0, status="passed") for t in part.tests(0, 0, note, note)]
+    ctx.tests += [dict(t, max_score=0, status="passed") for t in part.tests((0, 0, 0), (note,) * 3)]
+
+
+def _award(ctx: Context, part: Part, correct: bool, fixed: bool, speed: float, checked: str, feature: str,
+           timing: str, not_fixed: str) -> None:
+    """The part's rule: wrong zeroes it; correct earns correctness and feature points once the
+    feature check shows the slow path gone, whatever the speed; the speed share only then."""
+    if not correct:
+        ctx.tests += part.tests((0, 0, 0), (f"wrong: {checked}; the part earns nothing until it matches",
+                                            f"zeroed (wrong results): {feature}", f"zeroed (wrong results): {timing}"))
+    elif not fixed:
+        ctx.tests += part.tests((0, 0, 0), (f"matches, but {not_fixed}: {checked}", feature,
+                                            f"not scored until the slow path is gone: {timing}"))
+    else:
+        ctx.tests += part.tests((part.correctness, part.feature, part.speed * speed),
+                                (f"matches: {checked}", feature, timing))
+
+
+def _range(profile: A1Profile, measurement: str) -> str:
+    low, high = profile.speed[measurement]
+    return f"speed points from {low:g}x (none) to {high:g}x (all), on a log scale"
 
 
 def grade_moe(ctx: Context) -> None:
-    """Part 1: the MoE layer alone, on the starter's weights, against the starter's digests."""
-    job, part = ctx.job, ctx.job.rubric.parts["moe"]
+    """Part 1: the MoE layer alone on the starter's weights (its outputs and every expert's
+    gradients against the reference's, its time in turns with the starter's), and the whole
+    step of the reference layout against the starter's."""
+    job, part, profile = ctx.job, ctx.job.rubric.parts["moe"], ctx.job.profile
     ref, run = job.reference, ctx.runs["moe"]
     if not run.ok:
         reason = f"the MoE run failed: {run.error}"
-        ctx.tests += part.tests(0, 0, reason, reason)
+        ctx.tests += part.tests((0, 0, 0), (reason,) * 3)
         return
-    error = max(moe_error(r, s) for r, s in zip(ref.moe.digests, run.digests))
-    warmup = job.profile.moe["warmup"]
+    error = max(moe_error(r, s) for r, s in zip(ref.moe_exact.digests, run.digests))
+    warmup = profile.moe["warmup"]
     starter_s, yours_s = _median_timed(ctx.runs["moe-starter"], warmup), _median_timed(run, warmup)
-    speedup = starter_s / yours_s
-    share = job.profile.speed_share(speedup)
-    correct = error <= job.profile.rtol
-    ctx.numbers["moe_speedup"] = speedup
-    ctx.leaderboard.append({"name": "Part 1: MoE speedup", "value": round(speedup, 2)})
-    checked = (f"outputs and gradients on {len(run.digests)} grader-chosen inputs: worst relative error "
-               f"{error:.2g} (tolerance {job.profile.rtol:g})")
-    timing = (f"median of {len(run.seconds) - warmup} timed workloads of {job.profile.moe.get('iters', 1)} "
-              f"forward+backward passes, in turns with the starter: starter {starter_s * 1e3:.2f} ms, "
-              f"yours {yours_s * 1e3:.2f} ms, speedup {speedup:.2f}x (tiers: "
-              + ", ".join(f"{t:g}x -> {v:.0%}" for t, v in job.profile.speedup_tiers) + ")")
-    if not correct:
-        reason = f"wrong: {checked}; the part earns nothing until it matches"
-        ctx.tests += part.tests(0, 0, reason, f"{timing}; zeroed: the timed steps gave wrong results")
-    elif share == 0:
-        ctx.tests += part.tests(0, 0, f"matches, but the MoE is not faster yet: {checked}", timing)
+    layer = starter_s / yours_s
+    ctx.numbers["moe_speedup"] = layer
+    ctx.leaderboard.append({"name": "Part 1: MoE speedup", "value": round(layer, 2)})
+    exact = " computed in float32" if ref.moe_exact is not ref.moe else ""
+    checked = (f"outputs, input gradients and each expert's gradients on {len(run.digests)} grader-chosen inputs, "
+               f"against the starter's layer{exact}: worst relative error {error:.2g} (tolerance {profile.rtol:g})")
+    timing = (f"one MoE layer, median of {len(run.seconds) - warmup} timed workloads of {profile.moe.get('iters', 1)} "
+              f"forward+backward passes in turns with the starter: starter {starter_s * 1e3:.2f} ms, yours "
+              f"{yours_s * 1e3:.2f} ms, {layer:.2f}x ({_range(profile, 'moe_layer')})")
+    share = profile.speed_share("moe_layer", layer)
+    step = ctx.runs.get("reference")
+    if step is not None and step.ok and loss_error(ref.train.digests, step.digests) <= profile.rtol:
+        whole = _median_timed(ref.train, profile.warmup) / _median_timed(step, profile.warmup)
+        ctx.numbers["moe_step_speedup"] = whole
+        share = (share + profile.speed_share("moe_step", whole)) / 2
+        timing += f"; whole step, reference layout: {whole:.2f}x the starter ({_range(profile, 'moe_step')})"
     else:
-        ctx.tests += part.tests(part.correctness, part.performance * share, f"matches: {checked}", timing)
+        timing += "; whole step, reference layout: " + (
+            f"failed ({step.error})" if step is not None and not step.ok else "wrong losses, not timed")
+    fixed = layer > profile.speed["moe_layer"][0]
+    _award(ctx, part, error <= profile.rtol, fixed, share, checked, "", timing,
+           f"the MoE layer is not faster than the starter's ({layer:.2f}x; {profile.speed['moe_layer'][0]:g}x "
+           "shows its slow path is gone)")
 
 
-def _step_numbers(ctx: Context, run: SessionResult, starter: SessionResult | None, layout_name: str) -> str:
-    """Tokens/s of the whole step (and MFU on GPU) for the leaderboard; a line for feedback."""
+def _step_numbers(ctx: Context, run: SessionResult, starter: SessionResult, layout_name: str) -> tuple[float, str]:
+    """The whole step's speedup over `starter`, tokens/s (and MFU on GPU) for the leaderboard,
+    and a line for the feedback."""
     profile = ctx.job.profile
     tokens = profile.batch * profile.seq_len
     seconds = _median_timed(run, profile.warmup)
     tokens_per_s = tokens / seconds
-    ctx.numbers[f"{layout_name}_tokens_per_s"] = tokens_per_s
-    ctx.leaderboard.append({"name": f"Step tokens/s ({layout_name} layout)", "value": round(tokens_per_s, 1)})
-    line = f"whole step, {layout_name} layout: {tokens_per_s:,.0f} tokens/s"
-    if starter is not None:
-        ratio = _median_timed(starter, profile.warmup) / seconds
-        ctx.numbers[f"{layout_name}_step_speedup"] = ratio
-        ctx.leaderboard.append({"name": f"Step speedup vs starter ({layout_name})", "value": round(ratio, 2)})
-        line += f" ({ratio:.2f}x the starter)"
+    ratio = _median_timed(starter, profile.warmup) / seconds
+    ctx.numbers.update({f"{layout_name}_tokens_per_s": tokens_per_s, f"{layout_name}_step_speedup": ratio})
+    ctx.leaderboard += [{"name": f"Step tokens/s ({layout_name} layout)", "value": round(tokens_per_s, 1)},
+                        {"name": f"Step speedup vs starter ({layout_name})", "value": round(ratio, 2)}]
+    line = f"whole step, {layout_name} layout: {tokens_per_s:,.0f} tokens/s, {ratio:.2f}x the starter"
     mfu = model_flops_utilization(profile, tokens_per_s, profile.layouts[layout_name]["world"])
     if mfu is not None:
         ctx.numbers[f"{layout_name}_mfu"] = mfu
         ctx.leaderboard.append({"name": f"MFU % ({layout_name} layout)", "value": round(100 * mfu, 2)})
         line += f", MFU {100 * mfu:.2f}% of dense bf16 peak"
-    return line
+    return ratio, f"{line} ({_range(profile, f'{layout_name}_step')})"
+
+
+def _traffic(run: SessionResult, warmup: int) -> float:
+    """Median bytes per timed step the grader saw move between the ranks (inf: not observable)."""
+    timed = run.traffic[warmup:]
+    return statistics.median(timed) if timed and None not in timed else math.inf
+
+
+def _checked(run: SessionResult, error: float, rtol: float) -> str:
+    return (f"loss and gradient norm over {len(run.digests)} optimizer steps vs the reference layout: "
+            f"worst relative error {error:.2g} (tolerance {rtol:g})")
 
 
 def grade_ep(ctx: Context) -> None:
-    """Part 2: the ep layout trains like the reference and stops all-gathering the experts."""
+    """Part 2: the ep layout trains like the reference, and the expert weights stop travelling:
+    the traffic between its ranks, read by the grader, against the starter's in the same layout."""
     job, part, profile = ctx.job, ctx.job.rubric.parts["ep"], ctx.job.profile
     if "ep" not in profile.layouts:
         return _not_on_profile(ctx, part, "ep")
     ref, run = job.reference, ctx.runs["ep"]
     if not run.ok:
         reason = f"the ep={profile.layouts['ep']['ep']} run failed: {run.error}"
-        ctx.tests += part.tests(0, 0, reason, reason)
+        ctx.tests += part.tests((0, 0, 0), (reason,) * 3)
         return
     error = loss_error(ref.train.digests, run.digests)
-    correct = error <= profile.rtol
     expert_share = expert_parameter_share(profile)
-    starter_ag = statistics.median(d["bytes"].get("all_gather", 0) for d in ref.ep.digests)
-    yours_ag = statistics.median(_bytes(d, "all_gather") for d in run.digests)
-    # The starter gathers every parameter alike, so its non-expert share of gathers is what a
-    # fixed EP still needs; whatever exceeds it is expert weights being gathered.
-    expert_ag = max(0.0, yours_ag - starter_ag * (1 - expert_share))
-    expert_ratio = expert_ag / (starter_ag * expert_share)
-    held = run.info.get("param_bytes") if isinstance(run.info, dict) else None
-    held_ratio = relative_error(held, 0, ref.ep.info["param_bytes"])  # inf if the child sent no number
-    fixed = expert_ratio <= profile.max_expert_allgather and held_ratio <= 1.25
-    ctx.numbers.update(expert_allgather_ratio=expert_ratio, allgather_mb_per_step=yours_ag / 2**20)
-    checked = (f"loss and gradient norm over {len(run.digests)} optimizer steps vs the reference layout: "
-               f"worst relative error {error:.2g} (tolerance {profile.rtol:g})")
-    feature = (f"all-gathered per step and rank: starter {starter_ag / 2**20:.2f} MiB, "
-               f"yours {yours_ag / 2**20:.2f} MiB; expert weights are {expert_share:.0%} of the model, "
-               f"so about {expert_ratio:.0%} of the starter's expert all-gathers remain "
-               f"(at most {profile.max_expert_allgather:.0%} passes); parameters held per rank: {held_ratio:.2f}x "
-               f"the starter's; {_step_numbers(ctx, run, ref.ep, 'ep')}")
-    if not correct:
-        ctx.tests += part.tests(0, 0, f"wrong: {checked}", f"zeroed (wrong losses): {feature}")
-    elif not fixed:
-        ctx.tests += part.tests(0, 0, f"matches, but the experts are still all-gathered: {checked}", feature)
-    else:
-        ctx.tests += part.tests(part.correctness, part.performance, f"matches: {checked}", feature)
+    starter, yours = _traffic(ref.ep, profile.warmup), _traffic(run, profile.warmup)
+    # The starter moves every parameter alike (plain FSDP), so its non-expert share of the traffic
+    # is what a working EP still moves; what exceeds it is expert weights (tokens are small).
+    expert_ratio = max(0.0, yours - starter * (1 - expert_share)) / (starter * expert_share)
+    ctx.numbers.update(expert_traffic_ratio=expert_ratio, ep_traffic_mb_per_step=yours / 2**20)
+    feature = (f"traffic between the ranks per step, read by the grader: starter {starter / 2**20:.2f} MiB, yours "
+               f"{yours / 2**20:.2f} MiB; expert weights are {expert_share:.0%} of the model, so about "
+               f"{expert_ratio:.0%} of the starter's expert traffic remains (at most "
+               f"{profile.max_expert_traffic:.0%} passes)")
+    speedup, timing = _step_numbers(ctx, run, ref.ep, "ep")
+    _award(ctx, part, error <= profile.rtol, expert_ratio <= profile.max_expert_traffic,
+           profile.speed_share("ep_step", speedup), _checked(run, error, profile.rtol), feature, timing,
+           "the expert weights still travel between the ranks")
 
 
 def grade_pp(ctx: Context) -> None:
-    """Part 3: the pp layout builds, trains, and gives the reference losses."""
+    """Part 3: the pp layout trains like the reference, and what travels between its ranks is
+    activations, not weights: at least the stage boundaries' activations, at most a share of
+    what plain data parallelism (the starter's ep layout) moves."""
     job, part, profile = ctx.job, ctx.job.rubric.parts["pp"], ctx.job.profile
     if "pp" not in profile.layouts:
         return _not_on_profile(ctx, part, "pp")
     ref, run = job.reference, ctx.runs["pp"]
-    pp = profile.layouts["pp"]["pp"]
+    layout = profile.layouts["pp"]
     if not run.ok:
-        reason = f"pp={pp} does not train: {run.error}"
-        ctx.tests += part.tests(0, 0, reason, reason)
+        reason = f"pp={layout['pp']} does not train: {run.error}"
+        ctx.tests += part.tests((0, 0, 0), (reason,) * 3)
         return
     error = loss_error(ref.train.digests, run.digests)
-    checked = (f"loss and gradient norm over {len(run.digests)} optimizer steps vs the reference layout: "
-               f"worst relative error {error:.2g} (tolerance {profile.rtol:g})")
-    feature = f"pp={pp} builds and trains; {_step_numbers(ctx, run, None, 'pp')}"
-    if error > profile.rtol:
-        ctx.tests += part.tests(0, 0, f"wrong: {checked}", f"zeroed (wrong losses): {feature}")
-    else:
-        ctx.tests += part.tests(part.correctness, part.performance, f"matches: {checked}", feature)
+    activations = activation_bytes(profile, layout["pp"])
+    data_parallel = _traffic(ref.ep, profile.warmup) if ref.ep is not None else math.inf
+    yours = _traffic(run, profile.warmup)
+    low, high = profile.pipeline_traffic
+    fixed = low * activations <= yours <= high * data_parallel
+    ctx.numbers["pp_traffic_mb_per_step"] = yours / 2**20
+    feature = (f"traffic between the ranks per step, read by the grader: {yours / 2**20:.3f} MiB; the stage "
+               f"boundaries pass on {activations / 2**20:.3f} MiB of activations (at least {low:g}x of them must "
+               f"move), plain data parallelism moves {data_parallel / 2**20:.2f} MiB (at most {high:g}x of it may)")
+    speedup, timing = _step_numbers(ctx, run, ref.train, "pp")
+    _award(ctx, part, error <= profile.rtol, fixed, profile.speed_share("pp_step", speedup),
+           _checked(run, error, profile.rtol), feature, timing,
+           "the traffic between the ranks is not a pipeline's (activations between stages, weights staying put)")
 
 
 def grade_notebook(ctx: Context) -> None:
@@ -176,13 +210,6 @@ def _median_timed(run: SessionResult, warmup: int) -> float:
     return statistics.median(run.seconds[warmup:])
 
 
-def _bytes(digest: dict, family: str) -> float:
-    try:
-        return float(digest["bytes"].get(family, 0))
-    except (KeyError, TypeError, AttributeError, ValueError):
-        return math.inf
-
-
 # -- figures from the PRISTINE kit (never the submission's) ------------------------------------
 def _profile_config(profile: A1Profile):
     from onenode.model import get_preset
@@ -192,12 +219,20 @@ def _profile_config(profile: A1Profile):
 
 def expert_parameter_share(profile: A1Profile) -> float:
     """Routed-expert parameters over all parameters of the profile's model."""
-    from onenode.model import count_parameters
+    from onenode.model import count_parameters, routed_expert_parameters
 
     config = _profile_config(profile)
-    per_layer = config.n_routed_experts * 2 * config.hidden_size * config.moe_intermediate_size
-    experts = config.layer_kinds.count("moe") * per_layer
-    return experts / count_parameters(config)[0]
+    return routed_expert_parameters(config) / count_parameters(config)[0]
+
+
+def activation_bytes(profile: A1Profile, pp: int) -> int:
+    """Bytes a pipeline's stage boundaries pass on per step: the hidden states forward and their
+    gradients backward, across each of the pp - 1 boundaries, for the whole batch."""
+    import torch
+
+    config = _profile_config(profile)
+    itemsize = getattr(torch, profile.dtype).itemsize
+    return 2 * (pp - 1) * profile.batch * profile.seq_len * config.hidden_size * itemsize
 
 
 def model_flops_utilization(profile: A1Profile, tokens_per_s: float, n_gpus: int) -> float | None:

@@ -260,11 +260,115 @@ MoE.forward = _replay_first_output
 
 MOE_FILE = f"{STARTER}/model/moe.py"
 
-def _running(name: str, patches: dict[str, str], reason: str) -> Case:
+# Part 1's reference fix with every expert's up-projection gradient moved into the next expert's
+# slot: outputs, input gradients and the gradients' totals stay exactly right.
+WRONG_EXPERT_GRADIENT = """
+_honest_forward, _rolled = GroupedExperts.forward, set()
+
+
+def _forward(self, *args, **kwargs):
+    if id(self.up_proj) not in _rolled:  # the parameter the weights were loaded into
+        _rolled.add(id(self.up_proj))
+        self.up_proj.register_hook(lambda grad: grad.roll(1, dims=0))
+    return _honest_forward(self, *args, **kwargs)
+
+
+GroupedExperts.forward = _forward
+"""
+
+# Edits, in memory, the collective counter the harness keeps inside the child: it reports no bytes.
+COUNTER_TAMPERING = """
+import sys as _sys
+
+if "collectives" in _sys.modules:
+    _sys.modules["collectives"].CollectiveCounter.take = lambda self: {}
+"""
+
+# No expert parallelism: the experts stay whole on every rank, outside FSDP, and their gradients
+# are averaged by all_reduce (no all-gather of them anywhere).
+EXPERTS_ALL_REDUCED = """
+import torch as _torch
+import torch.distributed as _dist
+
+_honest_fully_shard, _replicated = fully_shard, set()
+
+
+class _AdamW(_torch.optim.AdamW):  # one loop per tensor: sharded and whole parameters side by side
+    def __init__(self, params, **options):
+        super().__init__(params, **{**options, "foreach": False})
+
+
+_torch.optim.AdamW = _AdamW
+
+
+def _average(param):
+    _dist.all_reduce(param.grad)
+    param.grad.div_(_dist.get_world_size())
+
+
+def fully_shard(module, **options):
+    experts = {p for name, p in module.named_parameters() if ".experts." in f".{name}"}
+    for param in experts - _replicated:
+        _replicated.add(param)
+        param.register_post_accumulate_grad_hook(_average)
+    return _honest_fully_shard(module, ignored_params=experts or None, **options)
+"""
+
+# No pipeline: with pp > 1 every rank trains the whole model on the whole batch.
+WHOLE_MODEL_PIPELINE = """
+_honest_parallelize = parallelize
+
+
+def parallelize(model, dims, **options):
+    return ParallelModel(model) if dims.pp > 1 else _honest_parallelize(model, dims, **options)
+"""
+
+# Burns both cores whenever its own rank waits for a seed (the starter's turn, when the two take
+# turns), and sleeps while its rank works.
+SLOWS_THE_BASELINE = """
+import multiprocessing as _mp
+import os as _os
+import time as _time
+
+
+def _burn_while_idle(rank_pid):
+    while True:
+        try:
+            state = open(f"/proc/{rank_pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return
+        if state == "S":
+            end = _time.perf_counter() + 0.05
+            while _time.perf_counter() < end:
+                pass
+        else:
+            _time.sleep(0.001)
+
+
+if _mp.parent_process() is not None and not _os.environ.get("_BURNING"):  # in each rank, once
+    _os.environ["_BURNING"] = "1"
+    _rank = _os.getpid()
+    for _ in range(2):
+        if _os.fork() == 0:
+            _burn_while_idle(_rank)
+            _os._exit(0)
+"""
+
+
+def _running(name: str, patches: dict[str, str], reason: str, part: str = "moe") -> Case:
     def build(kit: Path, dest: Path) -> Path:
         return folder(dest, name, "".join(append_to(kit, path, code) for path, code in patches.items()))
 
-    return Case(name, build, "zero", reason, part="moe", runs=True)
+    return Case(name, build, "zero", reason, part=part, runs=True)
+
+
+def _on_the_fix(name: str, path: str, code: str, reason: str, part: str) -> Case:
+    """A cheat on top of the reference fix of the file `path` (solutions/a1/onenode/...)."""
+    def build(kit: Path, dest: Path) -> Path:
+        fixed = (kit / "solutions" / "a1" / path.removeprefix("starter_code/")).read_text()
+        return folder(dest, name, diff(kit, path, fixed + "\n" + code.strip() + "\n"))
+
+    return Case(name, build, "zero", reason, part=part, runs=True)
 
 
 # --------------------------------------------------------------------------- the suite
@@ -315,4 +419,12 @@ CASES: list[Case] = [
     _running("reads-reference-solution", {f"{STARTER}/__init__.py": READ_SOLUTION, MOE_FILE: SLOW_MOE},
              r"not faster"),
     _running("reads-the-cohort", {f"{STARTER}/__init__.py": READ_COHORT, MOE_FILE: SLOW_MOE}, r"not faster"),
+    _running("slows-the-baseline", {f"{STARTER}/__init__.py": SLOWS_THE_BASELINE}, r"not faster"),
+    _on_the_fix("wrong-expert-gradient", MOE_FILE, WRONG_EXPERT_GRADIENT, r"^wrong", "moe"),
+    _running("tampers-the-counter", {f"{STARTER}/__init__.py": COUNTER_TAMPERING},
+             r"expert weights still travel", part="ep"),
+    _running("experts-all-reduced", {f"{STARTER}/parallel/fsdp.py": EXPERTS_ALL_REDUCED},
+             r"expert weights still travel", part="ep"),
+    _running("pipeline-returns-whole-model", {f"{STARTER}/parallel/__init__.py": WHOLE_MODEL_PIPELINE},
+             r"not a pipeline's", part="pp"),
 ]
