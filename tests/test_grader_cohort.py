@@ -81,6 +81,7 @@ seq_len = 16
 warmup = 1
 repeats = 1
 rtol = 1e-4
+train_rtol = 1e-4
 timeout_s = 240
 memory_mb = 4096
 moe = { tokens = 64, warmup = 1, repeats = 2, overrides = { n_routed_experts = 8, n_group = 1, topk_group = 1 } }

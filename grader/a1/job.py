@@ -111,9 +111,10 @@ class A1Job(Job):
         ep = runs.get("ep")
         if ep is not None:
             error = loss_error(runs["reference"].digests, ep.digests)
-            if error > self.profile.rtol:
+            if error > self.profile.train_rtol:
                 raise GraderError(f"the starter's ep and reference layouts disagree (relative error {error:.2g} > "
-                                  f"rtol {self.profile.rtol:g}): the profile's tolerance is too tight for this machine")
+                                  f"train_rtol {self.profile.train_rtol:g}): the profile's tolerance is too tight "
+                                  "for this machine")
             if not all(ep.traffic):
                 raise GraderError("no traffic seen between the ranks of the starter's ep run: this machine "
                                   "cannot observe it (a network namespace on CPU, nvidia-smi's NVLink counters "

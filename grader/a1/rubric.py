@@ -54,6 +54,7 @@ class A1Profile(Profile):
     warmup: int
     repeats: int
     rtol: float
+    train_rtol: float
     moe: dict
     speed: dict  # measurement -> [low, high] speedup
     max_expert_traffic: float

@@ -93,7 +93,7 @@ def grade_moe(ctx: Context) -> None:
               f"{yours_s * 1e3:.2f} ms, {layer:.2f}x ({_range(profile, 'moe_layer')})")
     share = profile.speed_share("moe_layer", layer)
     step = ctx.runs.get("reference")
-    if step is not None and step.ok and loss_error(ref.train.digests, step.digests) <= profile.rtol:
+    if step is not None and step.ok and loss_error(ref.train.digests, step.digests) <= profile.train_rtol:
         whole = _median_timed(ref.train, profile.warmup) / _median_timed(step, profile.warmup)
         ctx.numbers["moe_step_speedup"] = whole
         share = (share + profile.speed_share("moe_step", whole)) / 2
@@ -161,8 +161,8 @@ def grade_ep(ctx: Context) -> None:
                f"{expert_ratio:.0%} of the starter's expert traffic remains (at most "
                f"{profile.max_expert_traffic:.0%} passes)")
     speedup, timing = _step_numbers(ctx, run, ref.ep, "ep")
-    _award(ctx, part, error <= profile.rtol, expert_ratio <= profile.max_expert_traffic,
-           profile.speed_share("ep_step", speedup), _checked(run, error, profile.rtol), feature, timing,
+    _award(ctx, part, error <= profile.train_rtol, expert_ratio <= profile.max_expert_traffic,
+           profile.speed_share("ep_step", speedup), _checked(run, error, profile.train_rtol), feature, timing,
            "the expert weights still travel between the ranks")
 
 
@@ -190,8 +190,8 @@ def grade_pp(ctx: Context) -> None:
                f"boundaries pass on {activations / 2**20:.3f} MiB of activations (at least {low:g}x of them must "
                f"move), plain data parallelism moves {data_parallel / 2**20:.2f} MiB (at most {high:g}x of it may)")
     speedup, timing = _step_numbers(ctx, run, ref.train, "pp")
-    _award(ctx, part, error <= profile.rtol, fixed, profile.speed_share("pp_step", speedup),
-           _checked(run, error, profile.rtol), feature, timing,
+    _award(ctx, part, error <= profile.train_rtol, fixed, profile.speed_share("pp_step", speedup),
+           _checked(run, error, profile.train_rtol), feature, timing,
            "the traffic between the ranks is not a pipeline's (activations between stages, weights staying put)")
 
 
