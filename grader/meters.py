@@ -58,11 +58,11 @@ def nvlink_tx_bytes() -> int | None:
 
 def parse_gpu_memory(text: str) -> dict[int, int]:
     """{pid: bytes} from `nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits`."""
-    memory = {}
+    memory: dict[int, int] = {}
     for line in text.splitlines():
-        pid, _, mib = line.partition(",")
-        if pid.strip().isdigit() and mib.strip().isdigit():
-            memory[int(pid)] = memory.get(int(pid), 0) + int(mib) * 2**20
+        pid, _, mib = (part.strip() for part in line.partition(","))
+        if pid.isdigit():  # memory reads "[N/A]" under MIG: the pid still holds a context
+            memory[int(pid)] = memory.get(int(pid), 0) + (int(mib) * 2**20 if mib.isdigit() else 0)
     return memory
 
 

@@ -57,6 +57,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from .meters import gpu_memory_by_pid
+
 __all__ = [
     "Limits", "SandboxResult", "SandboxedProcess", "SandboxError", "ProcessMemory", "run_sandboxed",
     "spawn_sandboxed", "sandbox_env", "make_private", "make_scratch", "capabilities", "UNSAFE_ENV",
@@ -520,21 +522,6 @@ def _bytes_sent(net_dev: str) -> int:
     return sum(int(line.split(":", 1)[1].split()[8]) for line in net_dev.splitlines()[2:] if ":" in line)
 
 
-def _gpu_memory_by_pid() -> dict[int, int]:
-    """GPU memory in use per host pid (bytes), from nvidia-smi; empty where there is none."""
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return {}
-    out = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30, check=False).stdout
-    used: dict[int, int] = {}
-    for line in out.splitlines():
-        pid, _, mib = (part.strip() for part in line.partition(","))
-        if pid.isdigit():  # memory reads "[N/A]" under MIG: the pid still holds a context
-            used[int(pid)] = used.get(int(pid), 0) + (int(mib) * MIB if mib.isdigit() else 0)
-    return used
-
-
 def _kill_uid(uid: int) -> None:
     """Kill every process of ``uid`` in one kernel pass: kill(-1) sent from that uid cannot be outrun."""
 
@@ -562,7 +549,7 @@ def _wait_gpu_released(pids: set[int], timeout_s: float = 15.0) -> None:
         return
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not pids & set(_gpu_memory_by_pid()):
+        if not pids & set(gpu_memory_by_pid()):
             return
         time.sleep(0.5)
     warnings.warn(f"sandbox: GPU contexts of killed pids {sorted(pids)} still listed by nvidia-smi "
@@ -857,7 +844,7 @@ class SandboxedProcess:
         of /proc/<pid>/status) and, where nvidia-smi exists, the most GPU memory it listed for the
         pid. Processes that ended keep their last reading; one that started and ended between two
         calls is not seen."""
-        on_gpu = _gpu_memory_by_pid() if shutil.which("nvidia-smi") else None  # slow: outside the lock
+        on_gpu = gpu_memory_by_pid() if shutil.which("nvidia-smi") else None  # slow: outside the lock
         with self._lock:
             self._read_memory(on_gpu)
             return dict(self._memory)

@@ -7,6 +7,8 @@ second grading job (another seed) gives the same scores.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from grader.a1 import A1, scoring
@@ -89,3 +91,25 @@ def test_grading_twice_gives_the_same_score(graded, monkeypatch):
     again = grade_one(A1, out / "cohort" / "part1-moe", job, out / "again")
     assert again["extra_data"]["seed"] != results["part1-moe"]["extra_data"]["seed"]
     assert _scores(again) == _scores(results["part1-moe"])
+
+
+@needs_solutions
+@pytest.mark.slow
+@pytest.mark.dist
+def test_course_node_layouts_on_eight_processes(tmp_path, monkeypatch):
+    """cpu-8proc: the course node's layouts (dp=8 with ep=8; pp=2 with dp=4 and ep=4) at tiny
+    scale on 8 gloo processes, the code path of h100x8: the reference earns every point of
+    Parts 2 and 3 from the traffic the grader reads, the unchanged starter none."""
+    monkeypatch.setattr(scoring, "STEPS", [scoring.grade_ep, scoring.grade_pp])
+    rubric = load_rubric()
+    profile = dataclasses.replace(rubric.profile("cpu-8proc"), warmup=1, repeats=1,
+                                  moe=dict(rubric.profile("cpu-8proc").moe, repeats=1))
+    rubric = dataclasses.replace(rubric, profiles={**rubric.profiles, "cpu-8proc": profile})
+    job = new_job(rubric, "cpu-8proc", tmp_path / "work", tmp_path / "starter-logs", seed=88)
+    cohort = {folder.name: folder for folder in build_cohort(tmp_path / "cohort")}
+    full = {key: part.points for key, part in rubric.parts.items()}
+    reference = grade_one(A1, cohort["reference-full"], job, tmp_path / "out")
+    starter = grade_one(A1, cohort["starter-unchanged"], job, tmp_path / "out")
+    assert {k: v for k, v in _scores(reference).items() if k != "moe"} == {"ep": full["ep"], "pp": full["pp"]}
+    assert {k: v for k, v in _scores(starter).items() if k != "moe"} == {"ep": 0, "pp": 0}
+    assert reference["extra_data"]["numbers"]["expert_traffic_ratio"] < profile.max_expert_traffic

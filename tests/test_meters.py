@@ -38,4 +38,5 @@ def test_cpu_seconds_counts_a_busy_process_and_skips_dead_ones():
 def test_nvidia_smi_readings_parse():
     assert parse_nvlink_tx(NVLINK) == 1024 * (584652 + 584638 + 10)
     assert parse_nvlink_tx("GPU 0: NVIDIA H100 PCIe\n") is None
-    assert parse_gpu_memory("613, 2474\n614, 2476\n613, 2\nno, 5\n") == {613: 2476 * 2**20, 614: 2476 * 2**20}
+    readings = "613, 2474\n614, 2476\n613, 2\nno, 5\n615, [N/A]\n"  # MIG shows no memory per process
+    assert parse_gpu_memory(readings) == {613: 2476 * 2**20, 614: 2476 * 2**20, 615: 0}
