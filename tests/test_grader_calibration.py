@@ -99,7 +99,8 @@ def test_grading_twice_gives_the_same_score(graded, monkeypatch):
 def test_course_node_layouts_on_eight_processes(tmp_path, monkeypatch):
     """cpu-8proc: the course node's layouts (dp=8 with ep=8; pp=2 with dp=4 and ep=4) at tiny
     scale on 8 gloo processes, the code path of h100x8: the reference earns every point of
-    Parts 2 and 3 from the traffic the grader reads, the unchanged starter none."""
+    Parts 2 and 3 from the traffic the grader reads (the starter's own runs are the job's
+    reference; cpu-tiny's calibration covers what the other submissions earn)."""
     monkeypatch.setattr(scoring, "STEPS", [scoring.grade_ep, scoring.grade_pp])
     rubric = load_rubric()
     profile = dataclasses.replace(rubric.profile("cpu-8proc"), warmup=1, repeats=1,
@@ -109,7 +110,7 @@ def test_course_node_layouts_on_eight_processes(tmp_path, monkeypatch):
     cohort = {folder.name: folder for folder in build_cohort(tmp_path / "cohort")}
     full = {key: part.points for key, part in rubric.parts.items()}
     reference = grade_one(A1, cohort["reference-full"], job, tmp_path / "out")
-    starter = grade_one(A1, cohort["starter-unchanged"], job, tmp_path / "out")
     assert {k: v for k, v in _scores(reference).items() if k != "moe"} == {"ep": full["ep"], "pp": full["pp"]}
-    assert {k: v for k, v in _scores(starter).items() if k != "moe"} == {"ep": 0, "pp": 0}
-    assert reference["extra_data"]["numbers"]["expert_traffic_ratio"] < profile.max_expert_traffic
+    numbers = reference["extra_data"]["numbers"]
+    assert numbers["expert_traffic_ratio"] < profile.max_expert_traffic
+    assert all(t > 0 for t in job.reference.ep.traffic), "the starter's dp=8 FSDP traffic, read from outside"
