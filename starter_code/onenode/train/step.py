@@ -7,7 +7,6 @@ next-token target (already shifted); positions with -100 are ignored.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterable
 
@@ -17,7 +16,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from ..model import cross_entropy_loss
 from ..parallel import ParallelModel
 from .optim import build_muon
 from .weight_decay import param_groups
@@ -98,15 +96,8 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, *, pp_m
     return total_norm
 
 
-def autocast_context(device: torch.device | str, dtype: torch.dtype | None):
-    """bf16 autocast where asked; a no-op context otherwise."""
-    if dtype is None or dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
-
-
 def _forward_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, accumulation_steps: int,
-                      autocast_dtype: torch.dtype | None, aux_loss_fn: Callable[[], torch.Tensor | None] | None,
+                      aux_loss_fn: Callable[[], torch.Tensor | None] | None,
                       aux_loss_coef: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mean loss (and auxiliary loss) over the micro-batches, their gradients added up.
 
@@ -121,9 +112,7 @@ def _forward_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.T
     for micro, (ids, targets) in enumerate(zip(input_ids.chunk(accumulation_steps), labels.chunk(accumulation_steps))):
         if sync_last_only:
             model.set_requires_gradient_sync(micro == accumulation_steps - 1)
-        with autocast_context(ids.device, autocast_dtype):
-            logits = model(ids).logits
-        loss = cross_entropy_loss(logits, targets)
+        loss = model(ids, labels=targets).loss
         objective = loss
         aux = aux_loss_fn() if aux_loss_fn is not None else None
         if aux is not None:
@@ -140,7 +129,6 @@ def train_step(
     input_ids: torch.Tensor,
     labels: torch.Tensor,
     grad_clip: float = 1.0,
-    autocast_dtype: torch.dtype | None = None,
     *,
     accumulation_steps: int = 1,
     aux_loss_fn: Callable[[], torch.Tensor | None] | None = None,
@@ -148,9 +136,10 @@ def train_step(
 ) -> dict:
     """One optimizer step on this rank's batch.
 
-    `model` is what `parallelize` returned (a plain model is the one-process layout). The batch
-    runs as `accumulation_steps` micro-batches whose gradients add up; with pipeline parallelism
-    the schedule splits it into its own microbatches instead. `aux_loss_fn` returns the auxiliary
+    `model` is what `parallelize` returned (a plain model is the one-process layout); it computes in
+    the precision `parallelize` gave it, so no autocast here. The batch runs as `accumulation_steps`
+    micro-batches whose gradients add up; with pipeline parallelism the schedule splits it into its
+    own microbatches instead. `aux_loss_fn` returns the auxiliary
     loss of the forward just run (`RouterBalancer.pop_aux_loss`); the objective adds it times
     `aux_loss_coef`. Returns this rank's loss (mean over micro-batches; None on pipeline ranks
     without the last stage), the global gradient norm before clipping and, with `aux_loss_fn`,
@@ -164,8 +153,8 @@ def train_step(
                              "loss on its last stage: no accumulation_steps or aux_loss_fn with pp > 1")
         loss, aux = parallel.pipeline.step(input_ids, labels), None
     else:
-        loss, aux = _forward_backward(parallel.model, input_ids, labels, accumulation_steps, autocast_dtype,
-                                      aux_loss_fn, aux_loss_coef)
+        loss, aux = _forward_backward(parallel.model, input_ids, labels, accumulation_steps, aux_loss_fn,
+                                      aux_loss_coef)
     grad_norm = clip_grad_norm_(parallel.parameters(), grad_clip, pp_mesh=parallel.pp_mesh, ep_mesh=parallel.ep_mesh)
     optimizer.step()
     value = None if loss is None else float(loss)
