@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..model.nemotron_h import cross_entropy_loss
+from ..model.loss import cross_entropy_loss
 from .distributed import join_one_rank_group
 from .expert_parallel import apply_expert_parallel
 from .fsdp import apply_fsdp
