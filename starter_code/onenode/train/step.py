@@ -17,8 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from ..parallel import ParallelModel
-from .optim import build_muon
-from .weight_decay import param_groups
+from .optim import build_adamw, build_muon
 
 __all__ = ["build_optimizer", "clip_grad_norm_", "train_step"]
 
@@ -38,9 +37,7 @@ def build_optimizer(
         return build_muon(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **muon_options)
     if name != "adamw":
         raise ValueError(f"unknown optimizer {name!r}: use 'adamw' or 'muon'")
-    # foreach is faster on GPU and fine with DTensor parameters from FSDP2 and EP.
-    groups = param_groups(model.named_parameters(), weight_decay)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+    return build_adamw(model.named_parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
 
 
 def _grads_by_mesh(grads: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
@@ -71,8 +68,12 @@ def _is_expert_shard(mesh: DeviceMesh | None) -> bool:
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, *, pp_mesh: DeviceMesh | None = None,
-                    ep_mesh: DeviceMesh | None = None) -> float:
-    """Clip all gradients to a global L2 norm and return the norm before clipping.
+                    ep_mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """Clip all gradients to a global L2 norm; the norm before clipping, a 0-d float32 tensor.
+
+    Nothing here waits for the device: the norm and the clipping coefficient stay tensors, and the
+    gradients are always multiplied by min(1, max_norm / norm), so the host can queue the optimizer
+    step behind the backward (reading the norm is for logging, once the step is queued).
 
     DTensor gradients (FSDP2) are reduced over their own meshes. With `ep_mesh` (the routed experts
     split over it) the experts' gradients differ across it, each rank holding other experts: their
@@ -88,11 +89,11 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, *, pp_m
         sq = sq + expert_sq
     if pp_mesh is not None:
         dist.all_reduce(sq, group=pp_mesh.get_group())
-    total_norm = float(sq.sqrt())
-    if max_norm and max_norm > 0 and total_norm > max_norm:
-        coef = max_norm / (total_norm + 1e-6)
+    total_norm = sq.sqrt()
+    if max_norm and max_norm > 0:
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for group in groups.values():
-            torch._foreach_mul_(group, coef)
+            torch._foreach_mul_(group, coef.to(group[0].device))
     return total_norm
 
 
@@ -157,10 +158,11 @@ def train_step(
                                       aux_loss_coef)
     grad_norm = clip_grad_norm_(parallel.parameters(), grad_clip, pp_mesh=parallel.pp_mesh, ep_mesh=parallel.ep_mesh)
     optimizer.step()
+    # The step's one wait for the device, with all of its work queued: the numbers it reports.
     value = None if loss is None else float(loss)
     if value is not None and not math.isfinite(value):
         raise FloatingPointError(f"loss is {value}: lower the learning rate or check the data")
-    out = {"loss": value, "grad_norm": grad_norm}
+    out = {"loss": value, "grad_norm": float(grad_norm)}
     if aux_loss_fn is not None:
         out["aux_loss"] = None if aux is None else float(aux)
     return out
