@@ -35,9 +35,9 @@ def _layers(model: nn.Module) -> list[nn.Module]:
 
 def _router_needs_own_unit(layer: nn.Module, param_dtype: torch.dtype | None) -> bool:
     """FSDP2 gathers a unit's parameters into one buffer of one dtype. Routers stay float32 (routing
-    decisions are sensitive to rounding): a layer that gathers another dtype (a `param_dtype`, or
-    its own bfloat16 weights) must leave its routers to units of their own."""
-    return param_dtype is not None or len({p.dtype for p in layer.parameters()}) > 1
+    decisions are sensitive to rounding): a layer that gathers anything else (a bf16 `param_dtype`,
+    or its own bf16 weights) must leave its routers to units of their own."""
+    return {param_dtype or p.dtype for p in layer.parameters()} != {torch.float32}
 
 
 def apply_fsdp(
