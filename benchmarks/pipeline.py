@@ -69,18 +69,16 @@ def worker(args) -> None:
     config = get_preset(args.preset)
     # Built on the device, split, dropped: each rank keeps only its stage (and its optimizer state).
     model = build_model(config, seed=0, device=device)
-    autocast = dtype
-    sequences = 1
-    if world > 1:
-        model = parallelize(model, ParallelDims(pp=world), param_dtype=dtype, schedule=args.schedule,
-                            microbatches=args.microbatches, seq_len=args.seq_len)
-        autocast, sequences = None, args.microbatches
+    pipeline = {"schedule": args.schedule, "microbatches": args.microbatches, "seq_len": args.seq_len}
+    pipeline = pipeline if world > 1 else {}
+    model = parallelize(model, ParallelDims(pp=world), param_dtype=dtype, **pipeline)
+    sequences = args.microbatches if world > 1 else 1
     optimizer = build_optimizer(model, lr=3e-4)
     batches = synthetic_batches(config.vocab_size, sequences, args.seq_len, seed=0, rank=0)
 
     def step() -> float | None:
         input_ids, labels = (t.to(device) for t in next(batches))
-        return train_step(model, optimizer, input_ids, labels, grad_clip=1.0, autocast_dtype=autocast)["loss"]
+        return train_step(model, optimizer, input_ids, labels, grad_clip=1.0)["loss"]
 
     times, losses = [], []
     for i in range(args.warmup + args.steps):

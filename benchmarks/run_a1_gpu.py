@@ -1,27 +1,32 @@
-"""A1 on one H200, side by side in one job: the starter, the reference solution, transformers' peer.
+"""A1 on one H200, side by side in one job: the starter, the reference solution at one sequence and
+at its best layout, transformers' peer, and optionally the solution as an earlier commit had it.
 
-    python3 benchmarks/run_a1_gpu.py OUTDIR                # on the GPU machine, about 5 minutes
-    python3 benchmarks/run_a1_gpu.py OUTDIR --traces       # also keep the profiler traces
+    python3 benchmarks/run_a1_gpu.py OUTDIR --commit SHA            # on the GPU machine, about 6 minutes
+    python3 benchmarks/run_a1_gpu.py --prepare --before REV ...     # where git works: build the trees, print them
+    python3 benchmarks/run_a1_gpu.py OUTDIR --solution-tree S --before-tree B ...   # with trees built by --prepare
+    python3 benchmarks/run_a1_gpu.py OUTDIR --preset tiny --seq-len 64 --best-micro-batch 2 --device cpu \
+        --dtype bf16 --timeout 600 --budget 1800                    # the same job on a CPU, tiny (a smoke test)
 
-Every run is `onenode bench` on the `a1-1gpu` preset with the same batch (micro-batch x 4096
-tokens, synthetic, seeded) and the same initial weights:
+Every run is `onenode bench` on the `a1-1gpu` preset with the same seeded synthetic batches and the
+same initial weights, in the kit's precision (float32 master weights, bf16 gathered by FSDP2), in
+order of importance:
 
-- `starter`: the unpatched `starter_code/` (per-expert loop, torch SSD), eager;
-- `solution`: `solutions/a1/submission.patch` applied to a temporary copy, eager;
-- `solution-compiled`: the same with `--compile mixers` (Mamba2, attention and MLP mixers under
-  torch.compile), the candidate fast Mamba2 path;
-- `solution-mamba-ssm`: mamba_ssm's Triton SSD, only where `mamba_ssm` imports;
-- `transformers`: transformers' `NemotronHForCausalLM` with `grouped_mm` experts, the peer a
-  student would try, loaded with the same weights.
+- `solution`: `solutions/a1/submission.patch` applied to a copy, micro-batch x seq-len (1 x 4096), eager;
+- `solution-compiled`: the same with `--compile blocks` (every block one graph);
+- `solution-best`: the best layout measured (`--best-micro-batch` 8 sequences, `--compile blocks`,
+  activation checkpointing);
+- `starter`: the unpatched `starter_code/` (per-expert loop), eager;
+- `transformers`: transformers' `NemotronHForCausalLM`, `grouped_mm` experts, the same weights;
+- `at-<sha>` (one per `--before REV` or `--before-tree`): the solution as commit REV had it, eager,
+  at micro-batch x seq-len: what the commits since then changed (one REV per step: each step's effect);
+- `ssd` (with `--ssd-probe`, first): `ssd_probe.py`, the Mamba2 scan alone per implementation.
 
-First `ssd_probe.py` times the Mamba2 SSD scan alone (torch eager, torch compiled, mamba_ssm)
-and checks each against float64 (OUTDIR/ssd.json). Each run's record (tokens/s, MFU against
-989 TFLOP/s and against a measured bf16 matmul, peak memory, losses, top kernels) goes to
-OUTDIR/<name>.json; OUTDIR/summary.json holds the
-exact commands, the table and the ratios; OUTDIR/log.txt every run's output. The first loss of
-every run built from the solution's tree is compared with the solution's: same weights and batch,
-so they must agree (the starter initialises its per-expert weights under other names, so its
-weights differ and only its speed is compared).
+Each run's record (tokens/s, MFU against 989 TFLOP/s and against a measured bf16 matmul, peak
+memory, losses, top kernels) goes to OUTDIR/<name>.json; OUTDIR/summary.json holds the exact
+commands, the table and the ratios (to the starter, the peer and the solution); OUTDIR/log.txt every
+run's output. Runs at the same batch as `solution` must start from its first loss (same weights and
+batch); the starter initialises its per-expert weights under other names, so only its speed counts.
+A run gets its own timeout (`--timeout`, twice that compiled) and what is left of `--budget`.
 """
 
 from __future__ import annotations
@@ -38,14 +43,16 @@ from pathlib import Path
 
 KIT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(KIT_ROOT / "tests"))
-from patched_copy import patched_tree  # noqa: E402  (the kit's helper: solutions/a1 patches on a copy)
+from patched_copy import git_apply, patched_tree  # noqa: E402  (the kit's helpers: solutions/a1 patches)
 
-LOSS_TOLERANCE = 0.02  # bf16 autocast, different kernels: the first losses agree to about 1e-3
+LOSS_TOLERANCE = 0.02  # bf16, different kernels: the first losses agree to about 1e-3
 
 
 def solution_tree(prebuilt: str | None) -> Path:
+    """The reference solution's tree: `prebuilt` (a folder `--prepare` printed; relative to where the
+    job starts, as the runs start elsewhere), or the patch applied to a copy here."""
     if prebuilt:
-        tree = Path(prebuilt)
+        tree = Path(prebuilt).resolve()
         if not (tree / "starter_code" / "onenode").is_dir():
             raise SystemExit(f"--solution-tree {tree} holds no starter_code/onenode: build it with --prepare")
         return tree
@@ -54,6 +61,40 @@ def solution_tree(prebuilt: str | None) -> Path:
     except (OSError, RuntimeError) as e:
         raise SystemExit(f"could not apply solutions/a1/submission.patch ({e}): run --prepare where git works "
                          "and pass the printed folder as --solution-tree") from None
+
+
+def tree_at_commit(rev: str) -> Path:
+    """The solution as commit `rev` had it: that commit's `starter_code/` with its own
+    `solutions/a1/submission.patch` applied, under .cache/patched/ (needs git)."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", rev], cwd=KIT_ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"--before {rev}: not a commit of this repository ({e}): build the tree where git works "
+                         "(--prepare) and pass it as --before-tree") from None
+    tree = KIT_ROOT / ".cache" / "patched" / f"solution-at-{sha}"
+    if (tree / "starter_code").is_dir():
+        return tree
+    staging = tree.with_name(tree.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", "--format=tar", sha, "starter_code", "solutions/a1/submission.patch"],
+                             cwd=KIT_ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(staging)], input=archive, check=True)
+    patch = staging / "solutions" / "a1" / "submission.patch"
+    result = git_apply(staging, patch)
+    if result.returncode != 0:
+        raise SystemExit(f"--before {rev}: its submission.patch does not apply to its starter: {result.stderr.strip()}")
+    shutil.rmtree(staging / "solutions")
+    staging.rename(tree)
+    return tree
+
+
+def existing_tree(option: str, folder: str) -> Path:
+    tree = Path(folder).resolve()
+    if not (tree / "starter_code" / "onenode").is_dir():
+        raise SystemExit(f"{option} {tree} holds no starter_code/onenode: build it with --prepare")
+    return tree
 
 
 def mamba_ssm_imports(env: dict) -> bool:
@@ -118,55 +159,73 @@ def main() -> int:
     parser.add_argument("out", nargs="?", help="folder for the JSON records")
     parser.add_argument("--preset", default="a1-1gpu")
     parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per step of every run but the best")
+    parser.add_argument("--best-micro-batch", type=int, default=8, help="sequences per step of solution-best")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default=None, help="bench's --device (default: the GPU)")
+    parser.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="bench's --dtype (default: its own)")
     parser.add_argument("--timeout", type=int, default=150, help="seconds per run (compiled runs get twice that)")
-    parser.add_argument("--budget", type=int, default=540,
+    parser.add_argument("--budget", type=int, default=450,
                         help="seconds for the whole job: later runs get what is left, or are skipped")
     parser.add_argument("--only", nargs="*", default=None, help="run only these names")
     parser.add_argument("--traces", action="store_true", help="keep the profiler traces in OUT/traces")
+    parser.add_argument("--ssd-probe", action="store_true", help="first time the Mamba2 scan alone (ssd_probe.py)")
     parser.add_argument("--solution-tree", default=None, help="a prebuilt patched copy (see --prepare)")
-    parser.add_argument("--prepare", action="store_true", help="build the patched copy, print its folder, stop")
+    parser.add_argument("--before", action="append", default=[], metavar="REV",
+                        help="also run the solution as commit REV had it (repeatable)")
+    parser.add_argument("--before-tree", action="append", default=[],
+                        help="such a solution, prebuilt by --prepare --before REV (repeatable)")
+    parser.add_argument("--prepare", action="store_true", help="build the patched copies, print their folders, stop")
     parser.add_argument("--commit", default=None,
                         help="the kit's commit, for a machine where the tree arrives without .git "
                              "(default: the records' own)")
     args = parser.parse_args()
-    if args.prepare:
-        print(solution_tree(None))
+    if args.prepare:  # relative to the kit's root: what a copy of the kit elsewhere carries
+        for tree in [solution_tree(None), *(tree_at_commit(rev) for rev in args.before)]:
+            print(tree.relative_to(KIT_ROOT))
         return 0
     if not args.out:
         parser.error("give the output folder")
-    out = Path(args.out)
+    job_start = time.monotonic()
+    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     starter, solution = KIT_ROOT, solution_tree(args.solution_tree)
+    befores = [existing_tree("--before-tree", t) for t in args.before_tree] + [tree_at_commit(r) for r in args.before]
+    befores = list(dict.fromkeys(befores))  # a commit given twice runs once
 
-    common = ["--preset", args.preset, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
-              "--steps", str(args.steps), "--warmup", str(args.warmup), "--measure-ceiling", "--quiet",
-              "--profile-steps", "1"]
+    common = ["--preset", args.preset, "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+              "--warmup", str(args.warmup), "--measure-ceiling", "--quiet", "--profile-steps", "1"]
+    common += [option for flag, value in (("--device", args.device), ("--dtype", args.dtype)) if value
+               for option in (flag, value)]
+    one, best = ["--micro-batch", str(args.micro_batch)], ["--micro-batch", str(args.best_micro_batch)]
     runs = [  # name, tree, extra options; the most important first
-        ("solution", solution, []),
-        ("starter", starter, []),
-        ("transformers", solution, ["--impl", "transformers", "--experts-implementation", "grouped_mm"]),
-        ("solution-compiled", solution, ["--compile", "mixers"]),
+        ("solution", solution, one),
+        ("solution-compiled", solution, [*one, "--compile", "blocks"]),
+        ("solution-best", solution, [*best, "--compile", "blocks", "--activation-checkpointing"]),
+        ("starter", starter, one),
+        ("transformers", solution, [*one, "--impl", "transformers", "--experts-implementation", "grouped_mm"]),
     ]
+    runs += [(tree.name.removeprefix("solution-"), tree, one) for tree in befores]
     if mamba_ssm_imports(bench_env(solution)):
-        runs.append(("solution-mamba-ssm", solution, ["--mamba-kernel", "mamba_ssm"]))
+        runs.append(("solution-mamba-ssm", solution, [*one, "--mamba-kernel", "mamba_ssm"]))
     if args.only:
         runs = [r for r in runs if r[0] in args.only]
 
     traces = out / "traces" if args.traces else Path(tempfile.mkdtemp(prefix="onenode-traces-"))
     summary = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": {}}
-    job_start = time.monotonic()
     with open(out / "log.txt", "w") as log:
-        summary["ssd"] = run_ssd_probe(args, out / "ssd.json", log)
-        print(f"{'ssd probe':<20} fastest correct: {summary['ssd'].get('fastest_correct')}", flush=True)
+        if args.ssd_probe:
+            summary["ssd"] = run_ssd_probe(args, out / "ssd.json", log)
+            print(f"{'ssd probe':<20} fastest correct: {summary['ssd'].get('fastest_correct')}", flush=True)
         for name, tree, extra in runs:
             argv = [*common, *extra, "--profile", str(traces / name), "--out", str(out / f"{name}.json")]
             left = args.budget - (time.monotonic() - job_start)
             timeout = int(min(args.timeout * (2 if "--compile" in extra else 1), left))
             summary["runs"][name] = run_bench(name, tree, argv, timeout, log)
+            summary["runs"][name]["micro_batch"] = int(extra[extra.index("--micro-batch") + 1])
             print(f"{name:<20} {summary['runs'][name]['status']}", flush=True)
+    summary["wall_s"] = time.monotonic() - job_start
 
     if not args.traces:
         shutil.rmtree(traces, ignore_errors=True)
@@ -177,19 +236,23 @@ def main() -> int:
                     "solution_patch": "solutions/a1/submission.patch", "config": first["config"]}
     reference = ok.get("solution")
     for name, entry in ok.items():
-        if reference and name not in ("solution", "starter"):
-            entry["speedup_vs_solution"] = entry["tokens_per_s"] / reference["tokens_per_s"]
+        same_batch = reference and entry["micro_batch"] == reference["micro_batch"]
+        if same_batch and name not in ("solution", "starter"):
             entry["loss_agrees"] = abs(entry["first_loss"] - reference["first_loss"]) < LOSS_TOLERANCE
-        if "starter" in ok:
-            entry["speedup_vs_starter"] = entry["tokens_per_s"] / ok["starter"]["tokens_per_s"]
+        for other in ("starter", "transformers", "solution"):
+            if other in ok and other != name:
+                entry[f"speedup_vs_{other}"] = entry["tokens_per_s"] / ok[other]["tokens_per_s"]
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
-    print(f"\n{'run':<20} {'tok/s':>9} {'MFU':>7} {'vs ceil':>8} {'peak GiB':>9} {'x starter':>9} {'loss0':>8}")
+    print(f"\n{'run':<20} {'tok/s':>9} {'MFU':>7} {'vs ceil':>8} {'peak GiB':>9} {'x starter':>9} {'x peer':>7} "
+          f"{'x sol.':>7} {'loss0':>8}")
     for name, e in ok.items():
         print(f"{name:<20} {e['tokens_per_s']:>9,.0f} {e['mfu']:>7.2%} {e['mfu_vs_ceiling']:>8.2%} "
-              f"{e['peak_memory_gib']:>9.1f} {e.get('speedup_vs_starter', float('nan')):>9.2f} {e['first_loss']:>8.4f}"
+              f"{e['peak_memory_gib']:>9.1f} {e.get('speedup_vs_starter', float('nan')):>9.2f} "
+              f"{e.get('speedup_vs_transformers', float('nan')):>7.2f} "
+              f"{e.get('speedup_vs_solution', float('nan')):>7.2f} {e['first_loss']:>8.4f}"
               + ("" if e.get("loss_agrees", True) else "  LOSS DIFFERS"))
-    print(f"\nrecords, summary.json and log.txt in {out}")
+    print(f"\nrecords, summary.json and log.txt in {out} ({summary['wall_s']:.0f} s)")
     return 0 if len(ok) == len(runs) and all(e.get("loss_agrees", True) for e in ok.values()) else 1
 
 

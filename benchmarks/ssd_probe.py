@@ -4,7 +4,7 @@
 
 Candidates: the kit's torch `ssd_chunked` eager, the same under `torch.compile`, and mamba_ssm's
 Triton `mamba_chunk_scan_combined` where it imports. Each runs forward + backward on the shapes
-of one Mamba layer of the preset (bf16 x, B, C as under autocast; float32 dt, A, D), timed with
+of one Mamba layer of the preset (bf16 x, B, C as the bf16 model makes them; float32 dt, A, D), timed with
 CUDA events after warm-up; output and input-gradient errors are relative to `ssd_chunked` in
 float64. The fastest candidate whose errors stay within bf16 rounding is the one to use.
 """

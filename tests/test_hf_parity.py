@@ -64,7 +64,7 @@ def _shifted(ids):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_loss_and_gradients_match_transformers(name):
     config, hf, ours, ids = _pair(name)
-    hf_out, our_out = hf(ids, labels=ids, use_cache=False), ours(ids, labels=_shifted(ids))
+    hf_out, our_out = hf(ids, labels=ids, use_cache=False), ours(ids, labels=_shifted(ids), return_logits=True)
     torch.testing.assert_close(our_out.logits, hf_out.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(our_out.loss, hf_out.loss, rtol=1e-5, atol=1e-6)
 

@@ -12,7 +12,9 @@ from onenode.model import (
     NemotronHForCausalLM,
     build_model,
     count_parameters,
+    cross_entropy_loss,
     get_preset,
+    linear_cross_entropy,
     routed_expert_parameters,
 )
 from onenode.model.hf_io import adapt_state_dict, save_pretrained
@@ -44,12 +46,45 @@ def test_loss_is_mean_cross_entropy_over_shifted_labels_ignoring_minus_100():
     model = build_model(config, seed=0)
     ids, labels = _batch(config)
     labels[0, :5] = -100
-    out = model(ids, labels=labels)
+    out = model(ids, labels=labels, return_logits=True)
     assert out.logits.shape == (*ids.shape, config.vocab_size)
     keep = labels != -100
     log_probs = out.logits.float().log_softmax(-1)[keep]
     expected = -log_probs.gather(1, labels[keep][:, None]).mean()
     torch.testing.assert_close(out.loss, expected)
+
+
+def test_labels_give_the_loss_without_logits_unless_asked():
+    config = get_preset("tiny")
+    model = build_model(config, seed=0)
+    ids, labels = _batch(config)
+    assert model(ids, labels=labels).logits is None
+    assert model(ids).loss is None and model(ids).logits.shape == (*ids.shape, config.vocab_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_head_loss_matches_the_plain_one(dtype):
+    """The fused head + loss, a few tokens at a time, gives the loss and gradients of the plain
+    head and cross entropy over the whole batch's logits (ignored labels included)."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 11, 32, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(200, 32, generator=gen) / 6).to(dtype).requires_grad_()
+    labels = torch.randint(0, 200, (3, 11), generator=gen)
+    labels[0, :4] = labels[2, -1] = -100
+    plain = cross_entropy_loss(torch.nn.functional.linear(hidden, weight), labels)
+    plain_grads = torch.autograd.grad(plain, (hidden, weight))
+    for chunk in (4, 7, 33, None):
+        loss = linear_cross_entropy(hidden, weight, labels, chunk_tokens=chunk)
+        grads = torch.autograd.grad(loss * 3, (hidden, weight))
+        torch.testing.assert_close(loss, plain, rtol=1e-6, atol=1e-6)
+        for got, want in zip(grads, plain_grads):
+            assert got.dtype == want.dtype
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want * 3)
+            else:  # bf16 rounds each chunk's product: compare against the gradient's scale
+                assert (got.float() - 3 * want.float()).abs().max() < 1e-2 * (3 * want.float()).abs().max()
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(hidden, weight, labels, chunk_tokens=5), plain)
 
 
 def test_layers_compose_one_by_one():
@@ -69,7 +104,7 @@ def test_bf16_autocast_forward_backward_on_cpu():
     ids, labels = _batch(config)
     reference = model(ids, labels=labels).loss
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(ids, labels=labels)
+        out = model(ids, labels=labels, return_logits=True)
     assert out.logits.dtype == torch.bfloat16
     out.loss.backward()
     assert abs(out.loss.item() - reference.item()) < 0.05

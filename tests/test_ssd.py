@@ -48,5 +48,18 @@ def test_float32_inputs_compute_in_float32():
 
 def test_forced_mamba_ssm_kernel_on_cpu_is_a_clear_error():
     with pytest.raises(RuntimeError, match="mamba_kernel='torch'"):
-        select_ssd("mamba_ssm", torch.device("cpu"))
-    assert select_ssd("auto", torch.device("cpu")) is ssd_chunked
+        select_ssd("mamba_ssm")
+    assert select_ssd("auto") is ssd_chunked
+
+
+def test_causal_conv_equals_the_depthwise_conv1d():
+    """The shifted multiply-adds compute nn.Conv1d's depthwise causal conv (first t outputs)."""
+    from onenode.model.mamba2 import CausalConv1d
+
+    gen = torch.Generator().manual_seed(0)
+    conv = torch.nn.Conv1d(6, 6, kernel_size=4, groups=6, padding=3, dtype=torch.float64)
+    ours = CausalConv1d(6, 4).double()
+    ours.load_state_dict(conv.state_dict())
+    for t in (1, 3, 9):
+        x = torch.randn(2, t, 6, dtype=torch.float64, generator=gen)
+        torch.testing.assert_close(ours(x), conv(x.transpose(1, 2))[..., :t].transpose(1, 2))

@@ -10,9 +10,9 @@ the tensor-core FLOP model (`onenode.flops`) against the 989 TFLOP/s bf16 peak o
 and the share of a short profiled window spent in compute and in collectives.
 
 Precision follows torchtitan: parameters and optimizer state stay float32 (the master copy) and
-the forward runs under bf16 autocast on CUDA; under FSDP2 the parallel layer's mixed-precision
-policy casts the gathered parameters. The data are random token ids from a seeded generator, so
-no dataset is needed and every run sees the same batches.
+FSDP2's mixed-precision policy gathers each layer as bf16 once per step (on one GPU too, over a
+mesh of one rank), reducing gradients in float32; nothing runs under autocast. The data are random
+token ids from a seeded generator, so no dataset is needed and every run sees the same batches.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 from .flops import H100_H200_BF16_PEAK, mfu, model_flops
-from .model import build_model, get_preset
+from .model import build_model, cross_entropy_loss, get_preset
 from .model.config import PRESETS
+from .model.nemotron_h import CausalLMOutput
 from .parallel import ParallelDims, ParallelModel, parallelize
 from .parallel.distributed import init_distributed, local_device
 from .parallel.layers import apply_activation_checkpointing, apply_compile
@@ -48,7 +49,21 @@ def is_main_process() -> bool:
 
 
 # -- model ---------------------------------------------------------------------------------------
-def build_transformers_peer(model: torch.nn.Module, experts_implementation: str) -> torch.nn.Module:
+class TransformersPeer(torch.nn.Module):
+    """A transformers causal LM behind this kit's call: `peer(input_ids, labels)` with the labels
+    already shifted (transformers would shift them again), the loss the kit's plain one over the
+    model's logits."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
+        logits = self.model(input_ids).logits
+        return CausalLMOutput(logits=logits, loss=None if labels is None else cross_entropy_loss(logits, labels))
+
+
+def build_transformers_peer(model: torch.nn.Module, experts_implementation: str) -> TransformersPeer:
     """transformers' own `NemotronHForCausalLM` with the same config and the same weights.
 
     This is the peer a student would try first; its MoE runs `experts_implementation`
@@ -67,17 +82,13 @@ def build_transformers_peer(model: torch.nn.Module, experts_implementation: str)
     with torch.device(device):
         peer = transformers.NemotronHForCausalLM(hf_config)
     peer.load_state_dict(adapt_state_dict(model.state_dict(), peer), strict=True)
-    return peer
+    return TransformersPeer(peer)
 
 
 def prepare_model(args, config, world: int, device: torch.device,
-                  dtype: torch.dtype | None) -> tuple[ParallelModel | torch.nn.Module, dict, torch.dtype | None]:
-    """Build, checkpoint, compile and parallelize the model (torchtitan's order).
-
-    Returns the model (as `parallelize` lays it out under torchrun), its layout and the autocast
-    dtype for the step: one process autocasts; under FSDP2 the mixed-precision policy casts
-    parameters to `dtype` instead (no autocast).
-    """
+                  dtype: torch.dtype | None) -> tuple[ParallelModel | torch.nn.Module, dict]:
+    """Build, checkpoint, compile and parallelize the model (torchtitan's order), computing in
+    `dtype` (`parallelize` sets the precision, on one process too); returns it and its layout."""
     if args.impl == "transformers" and (world > 1 or args.compile != "off" or args.activation_checkpointing):
         raise SystemExit("--impl transformers runs on one device, eager, without activation checkpointing: "
                          "drop --compile/--activation-checkpointing and run one process")
@@ -85,21 +96,18 @@ def prepare_model(args, config, world: int, device: torch.device,
     if dp * args.pp != world:
         raise SystemExit(f"--dp {dp} x --pp {args.pp} must equal the number of processes ({world}): "
                          "launch with torchrun --nproc-per-node DP*PP")
+    if args.ep > 1 and world == 1:
+        raise SystemExit(f"--ep {args.ep} needs as many processes: launch with torchrun --nproc-per-node {args.ep}")
     model = build_model(config, seed=args.seed, device=device)
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)
     if args.compile != "off":
         apply_compile(model, args.compile)
-    autocast = dtype
-    if world > 1:
-        pipeline = {"schedule": args.pp_schedule, "microbatches": args.microbatches} if args.pp > 1 else {}
-        model = parallelize(model, ParallelDims(dp=dp, ep=args.ep, pp=args.pp), param_dtype=dtype, **pipeline)
-        autocast = None
-    elif args.ep > 1:
-        raise SystemExit(f"--ep {args.ep} needs as many processes: launch with torchrun --nproc-per-node {args.ep}")
     if args.impl == "transformers":
         model = build_transformers_peer(model, args.experts_implementation)
-    return model, {"world_size": world, "dp": dp, "ep": args.ep, "pp": args.pp}, autocast
+    pipeline = {"schedule": args.pp_schedule, "microbatches": args.microbatches} if args.pp > 1 else {}
+    model = parallelize(model, ParallelDims(dp=dp, ep=args.ep, pp=args.pp), param_dtype=dtype, **pipeline)
+    return model, {"world_size": world, "dp": dp, "ep": args.ep, "pp": args.pp}
 
 
 # -- measuring -----------------------------------------------------------------------------------
@@ -157,7 +165,7 @@ def run(args) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp32": None}[args.dtype]
     torch.manual_seed(args.seed)
 
-    model, layout, dtype = prepare_model(args, config, world, device, dtype)
+    model, layout = prepare_model(args, config, world, device, dtype)
     optimizer = build_optimizer(model, "adamw", lr=args.lr)
     batches = synthetic_batches(config.vocab_size, args.micro_batch, args.seq_len, args.seed, rank)
     tokens_per_step = (world // args.pp) * args.micro_batch * args.seq_len
@@ -165,7 +173,7 @@ def run(args) -> dict:
 
     def step() -> dict:
         input_ids, labels = (t.to(device, non_blocking=True) for t in next(batches))
-        return train_step(model, optimizer, input_ids, labels, grad_clip=1.0, autocast_dtype=dtype)
+        return train_step(model, optimizer, input_ids, labels, grad_clip=1.0)
 
     from tqdm import tqdm
 
@@ -334,7 +342,8 @@ def register(subparsers) -> None:
     p.add_argument("--mamba-kernel", default=None, choices=["auto", "torch", "mamba_ssm"],
                    help="override the preset's Mamba2 scan")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
-                   help="autocast dtype, params stay fp32 (default: bf16 on CUDA, fp32 on CPU)")
+                   help="compute dtype; parameters and optimizer state stay fp32 (default: bf16 on CUDA, "
+                        "fp32 on CPU)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="override the device (default: this rank's GPU, else cpu)")

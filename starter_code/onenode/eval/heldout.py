@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..data.tokenizer import Tokenizer
-from ..model.nemotron_h import cross_entropy_loss
+from ..model.loss import cross_entropy_loss
 
 
 def val_split_tokens(data_dir: str | Path) -> np.ndarray:

@@ -4,9 +4,11 @@ Shapes used throughout: b = batch, t = time, h = SSM heads, p = head dim, g = gr
 one group share B and C), n = state size, c = chunk index, l and s = positions in a chunk.
 
 `ssd_chunked` is a standalone function of tensors only, so it can be `torch.compile`d or swapped
-for a kernel. Where mamba_ssm's Triton SSD imports and the tensors are on CUDA, the mixer can use
-it instead (`config.mamba_kernel`); the package often fails to import (its `__init__` loads a CUDA
-extension), so it is only ever tried lazily and never breaks `import onenode`.
+for a kernel. Where mamba_ssm's Triton SSD imports and a GPU is present, the mixer can use it
+instead (`config.mamba_kernel`, decided once when the mixer is built); the package often fails to
+import (its `__init__` loads a CUDA extension), so it is only ever tried lazily and never breaks
+`import onenode`. Everything a mixer runs per call is plain tensor code: a compiled block is one
+graph, and the conv, SiLU, gates and norms fuse into a few kernels.
 """
 
 from __future__ import annotations
@@ -126,8 +128,10 @@ def _mamba_ssm_scan() -> tuple[Callable | None, str]:
     return mamba_chunk_scan_combined, ""
 
 
-def select_ssd(kernel: str, device: torch.device) -> Callable:
-    """The scan for `config.mamba_kernel` ("auto", "torch" or "mamba_ssm") on `device`."""
+def select_ssd(kernel: str) -> Callable:
+    """The scan for `config.mamba_kernel`: "torch"; "mamba_ssm" (an error where it does not import
+    or no GPU is present); "auto" (mamba_ssm's where it imports and a GPU is present, else torch).
+    Called once per mixer, when it is built; mamba_ssm's kernel then needs CUDA tensors."""
     if kernel == "torch":
         return ssd_chunked
     fast, why_not = _mamba_ssm_scan()
@@ -137,11 +141,38 @@ def select_ssd(kernel: str, device: torch.device) -> Callable:
                 f"mamba_kernel='mamba_ssm' but mamba_ssm's Triton SSD does not import ({why_not}): "
                 "install mamba-ssm or set mamba_kernel='torch'"
             )
-        if device.type != "cuda":
-            raise RuntimeError(f"mamba_kernel='mamba_ssm' needs CUDA tensors, got {device}: set mamba_kernel='torch'")
-    if fast is None or device.type != "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("mamba_kernel='mamba_ssm' needs a GPU, none is present: set mamba_kernel='torch'")
+    if fast is None or not torch.cuda.is_available():
         return ssd_chunked
     return fast  # same call signature as ssd_chunked
+
+
+class CausalConv1d(nn.Module):
+    """Mamba2's depthwise causal conv over time, on [b, t, channels], as `kernel` shifted
+    multiply-adds accumulated in float32, then cast back to the input's dtype.
+
+    The parameters and the result are those of `nn.Conv1d(c, c, k, groups=c, padding=k-1)` cut to
+    the first t outputs (`weight` [c, 1, k], `bias` [c]: the checkpoint layout), but there is no
+    convolution kernel: torch.compile fuses the taps with the SiLU after them into one pass (the
+    generic depthwise kernel is slow), and the channels stay last (no transposes).
+    """
+
+    def __init__(self, channels: int, kernel_size: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        self.register_parameter("bias", nn.Parameter(torch.empty(channels)) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, t = self.weight.shape[-1], x.shape[1]
+        taps = self.weight[:, 0].float()  # [c, k]
+        padded = F.pad(x, (0, 0, k - 1, 0))  # k - 1 zeros before the first step
+        y = padded[:, :t].float() * taps[:, 0]
+        for i in range(1, k):
+            y = y + padded[:, i:i + t].float() * taps[:, i]
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -159,28 +190,24 @@ class Mamba2Mixer(nn.Module):
         self.in_proj = nn.Linear(
             config.hidden_size, self.inner_size + self.conv_dim + self.num_heads, bias=config.mamba_proj_bias
         )
-        # Depthwise and causal: pad k-1 on both sides, keep the first t outputs.
-        self.conv1d = nn.Conv1d(
-            self.conv_dim, self.conv_dim, kernel_size=config.conv_kernel, groups=self.conv_dim,
-            padding=config.conv_kernel - 1, bias=config.use_conv_bias,
-        )
+        self.conv1d = CausalConv1d(self.conv_dim, config.conv_kernel, bias=config.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.D = nn.Parameter(torch.empty(self.num_heads))
         self.norm = GatedRMSNorm(self.inner_size, self.inner_size // self.n_groups, eps=config.layer_norm_epsilon)
         self.out_proj = nn.Linear(self.inner_size, config.hidden_size, bias=config.mamba_proj_bias)
+        self.ssd = select_ssd(config.mamba_kernel)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         b, t, _ = hidden_states.shape
         gs = self.n_groups * self.state_size
         z, xBC, dt = self.in_proj(hidden_states).split([self.inner_size, self.conv_dim, self.num_heads], dim=-1)
-        xBC = F.silu(self.conv1d(xBC.transpose(1, 2))[..., :t].transpose(1, 2))
+        xBC = F.silu(self.conv1d(xBC))
         x, B, C = xBC.split([self.inner_size, gs, gs], dim=-1)
         # dt in float32 (the reference computes the softplus in the activation dtype).
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.config.time_step_limit)
         A = -torch.exp(self.A_log.float())
-        ssd = select_ssd(self.config.mamba_kernel, hidden_states.device)
-        y = ssd(
+        y = self.ssd(
             x.reshape(b, t, self.num_heads, self.head_dim), dt, A,
             B.reshape(b, t, self.n_groups, self.state_size), C.reshape(b, t, self.n_groups, self.state_size),
             self.config.chunk_size, D=self.D,

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import hf_io
 from .attention import Attention
 from .config import NemotronHConfig
+from .loss import linear_cross_entropy
 from .mamba2 import Mamba2Mixer
 from .mlp import MLP
 from .moe import MoE, TopKRouter
@@ -68,18 +68,8 @@ class CausalLMOutput(NamedTuple):
     """A NamedTuple, not a dataclass: FSDP2 finds the output tensors with pytree to hook the
     root's pre-backward unshard on them, and pytree walks tuples but not plain dataclasses."""
 
-    logits: torch.Tensor  # [B, T, V], in the model's dtype
+    logits: torch.Tensor | None  # [B, T, V], in the model's dtype; with labels only when asked for
     loss: torch.Tensor | None = None  # scalar float32, when labels were given
-
-
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy in float32 over the positions whose label is not -100.
-
-    `labels` are the targets already shifted: `labels[b, t]` is the token that should follow
-    `input_ids[b, t]` (so `labels[:, :-1] == input_ids[:, 1:]` for one packed sequence), the same
-    shape as `input_ids`, with -100 where nothing is to be predicted.
-    """
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100)
 
 
 class NemotronHForCausalLM(nn.Module):
@@ -117,12 +107,14 @@ class NemotronHForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
-        """input_ids [B, T] -> logits [B, T, V]; with `labels` (shifted targets, see
-        `cross_entropy_loss`) also the mean loss."""
-        hidden_states = self.backbone(input_ids)
-        logits = self.lm_head(hidden_states.to(self.lm_head.weight.dtype))
-        loss = cross_entropy_loss(logits, labels) if labels is not None else None
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                return_logits: bool = False) -> CausalLMOutput:
+        """input_ids [B, T] -> logits [B, T, V]. With `labels` (shifted targets, see `model/loss.py`)
+        the mean loss instead, fused with the head a chunk of tokens at a time so the batch's logits
+        never exist (`linear_cross_entropy`); `return_logits=True` computes them too."""
+        hidden_states = self.backbone(input_ids).to(self.lm_head.weight.dtype)
+        loss = None if labels is None else linear_cross_entropy(hidden_states, self.lm_head.weight, labels)
+        logits = self.lm_head(hidden_states) if labels is None or return_logits else None
         return CausalLMOutput(logits=logits, loss=loss)
 
     @torch.no_grad()

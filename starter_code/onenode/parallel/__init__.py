@@ -7,6 +7,11 @@
 `parallelize` builds the (pp, dp_mod_ep, ep) device mesh (see `mesh.py`) and returns a
 `ParallelModel`: what this rank holds and the meshes its training step reduces over. The model
 itself carries no parallel state.
+
+Precision is decided here too, the same way on one GPU and on many: with `param_dtype=bf16` the
+parameters stay float32 (the master copy the optimizer updates) and FSDP2 gathers each layer as
+bf16 once per step, reducing gradients in float32 (`fsdp.py`); one process gets a mesh of one
+rank for it. No training step runs under autocast.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..model.nemotron_h import cross_entropy_loss
+from ..model.loss import cross_entropy_loss
+from .distributed import join_one_rank_group
 from .expert_parallel import apply_expert_parallel
 from .fsdp import apply_fsdp
 from .mesh import ParallelDims, dp_mesh
@@ -72,15 +78,20 @@ def _device_type(model: nn.Module) -> str:
     return next(model.parameters()).device.type
 
 
+def _mixed_precision(param_dtype: torch.dtype | None) -> bool:
+    return param_dtype is not None and param_dtype != torch.float32
+
+
 def shard_data_parallel(module: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *,
                         param_dtype: torch.dtype | None = None) -> bool:
-    """Expert parallelism over mesh["ep"], then FSDP over `dp_mesh(mesh)`, in place: a model or a
-    pipeline stage. True when expert parallelism split the routed experts of `module`."""
+    """Expert parallelism over mesh["ep"], then FSDP over `dp_mesh(mesh)` (also on one rank when
+    `param_dtype` asks for mixed precision), in place: a model or a pipeline stage. True when
+    expert parallelism split the routed experts of `module`."""
     expert_layers = []
     if dims.ep > 1:
         logger.info("expert parallelism on: ep=%d, dp=%d", dims.ep, dims.dp)
         expert_layers = apply_expert_parallel(module, mesh["ep"])
-    if dims.dp > 1:
+    if dims.dp > 1 or _mixed_precision(param_dtype):
         apply_fsdp(module, dp_mesh(mesh), expert_layers=expert_layers, expert_mesh=mesh["dp_mod_ep"],
                    param_dtype=param_dtype)
     return bool(expert_layers)
@@ -89,17 +100,20 @@ def shard_data_parallel(module: nn.Module, dims: ParallelDims, mesh: DeviceMesh,
 def parallelize(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype | None = None,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss,
                 **pipeline_options) -> ParallelModel:
-    """`model` laid out as `dims` over the initialised process group (unchanged on one process).
+    """`model` laid out as `dims` over the process group, computing in `param_dtype` (None: as built).
 
     With pp > 1 the model is split into pipeline stages over mesh["pp"], the last computing
     `loss_fn(logits, labels)`, and each stage is sharded over its dp ranks; `pipeline_options` go
-    to `pipeline.build_pipeline` (schedule, microbatches: by default pp, ...). With dp > 1 FSDP's
-    mixed-precision policy casts to `param_dtype`; with pp > 1 and dp = 1 the stages autocast to it.
+    to `pipeline.build_pipeline` (schedule, microbatches: by default pp, ...). A bf16 `param_dtype`
+    shards over the dp ranks even where there is one (a single process joins a group of one rank):
+    FSDP's mixed-precision policy is what casts. One process in float32 keeps the model as it is.
     """
     if pipeline_options and dims.pp == 1:
         raise ValueError(f"pipeline options {sorted(pipeline_options)} need pp > 1: drop them or set pp")
-    if dims.world_size == 1:
+    if dims.world_size == 1 and not _mixed_precision(param_dtype):
         return ParallelModel(model)
+    if dims.world_size == 1:
+        join_one_rank_group(_device_type(model))
     mesh = dims.build_mesh(_device_type(model))
     data_mesh = dp_mesh(mesh)
     if dims.pp == 1:
@@ -115,7 +129,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtyp
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
     microbatches = pipeline_options.pop("microbatches", None) or dims.pp
     pipeline = build_pipeline(model, mesh["pp"], microbatches=microbatches, device=device, loss_fn=loss_fn,
-                              autocast_dtype=param_dtype if dims.dp == 1 else None, parallelize_fn=shard_stage,
-                              **pipeline_options)
+                              parallelize_fn=shard_stage, **pipeline_options)
     return ParallelModel(pipeline=pipeline, dp_mesh=data_mesh, pp_mesh=mesh["pp"],
                          ep_mesh=mesh["ep"] if any(experts_split) else None)

@@ -1,4 +1,11 @@
-"""FSDP2 (`fully_shard`) applied per layer, then to the root, torchtitan style.
+"""FSDP2 (`fully_shard`) applied per layer, then to the root, torchtitan style; also the kit's
+mixed precision, on any number of ranks (one included).
+
+Parameters stay as built (float32: the master copy the optimizer updates). With `param_dtype`
+(bf16) each unit's mixed-precision policy casts its parameters once when it gathers them for the
+forward, and gradients are reduced in float32, so no layer needs autocast and no weight is cast at
+every use. A unit on a mesh of one rank keeps its gathered parameters from forward to backward:
+resharding there would free nothing worth having and cast them again.
 
 Experts that expert parallelism made local are sharded on their own first, over the ranks that
 hold the same experts ("dp_mod_ep"), so the layer's FSDP group leaves them out. Their gradients
@@ -14,27 +21,23 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from ..model.moe import TopKRouter
+
 
 def _layers(model: nn.Module) -> list[nn.Module]:
-    backbone = getattr(model, "backbone", None)
-    layers = getattr(backbone, "layers", None)
-    return list(layers.children()) if layers is not None else []
+    """The decoder layers: the first list of modules named `layers` (this kit's `backbone.layers`, a
+    pipeline stage's, transformers' `model.layers`); none for a model without one."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "layers" and isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            return list(module.children())
+    return []
 
 
-def _shard_other_dtypes(layer: nn.Module, mesh: DeviceMesh, options: dict) -> None:
-    """FSDP2 gathers a unit's parameters into one buffer of one dtype: a module whose parameters
-    are all of another dtype than the layer's bulk (the float32 router of a bfloat16 model) gets
-    a unit of its own first."""
-    sizes: dict[torch.dtype, int] = {}
-    for param in layer.parameters():
-        sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
-    if len(sizes) < 2:
-        return
-    bulk = max(sizes, key=sizes.get)
-    for module in layer.modules():
-        own = list(module.parameters(recurse=False))
-        if own and all(param.dtype != bulk for param in own):
-            fully_shard(module, mesh=mesh, **options)
+def _router_needs_own_unit(layer: nn.Module, param_dtype: torch.dtype | None) -> bool:
+    """FSDP2 gathers a unit's parameters into one buffer of one dtype. Routers stay float32 (routing
+    decisions are sensitive to rounding): a layer that gathers anything else (a bf16 `param_dtype`,
+    or its own bf16 weights) must leave its routers to units of their own."""
+    return {param_dtype or p.dtype for p in layer.parameters()} != {torch.float32}
 
 
 def apply_fsdp(
@@ -45,24 +48,32 @@ def apply_fsdp(
     expert_mesh: DeviceMesh | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
-    reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Shard `model` in place over `dp_mesh`; the local experts of `expert_layers` over `expert_mesh`."""
-    options = dict(
-        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-        reshard_after_forward=reshard_after_forward,
-    )
+    """Shard `model` in place over `dp_mesh`, the local experts of `expert_layers` over
+    `expert_mesh`; each unit gathers its parameters as `param_dtype` (None: as stored)."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    as_stored = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
+
+    def shard(module: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy = policy,
+              reshard_after_forward: bool | None = None) -> None:
+        if reshard_after_forward is None:
+            reshard_after_forward = mesh.size() > 1
+        fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+
     for layer in expert_layers:
         experts = layer.experts
         # A ModuleList has no forward of its own to hook: shard each expert it holds.
         for unit in experts if isinstance(experts, nn.ModuleList) else [experts]:
-            fully_shard(unit, mesh=expert_mesh, **options)
+            shard(unit, expert_mesh)
             unit.set_gradient_divide_factor(float(dp_mesh.size()))
             if expert_mesh.size() > 1:  # sum, then divide: gloo has no PREMUL_SUM (one rank just divides)
                 unit.set_force_sum_reduction_for_comms(True)
     for layer in _layers(model):
-        _shard_other_dtypes(layer, dp_mesh, options)
-        fully_shard(layer, mesh=dp_mesh, **options)
+        if _router_needs_own_unit(layer, param_dtype):
+            for module in layer.modules():
+                if isinstance(module, TopKRouter):
+                    shard(module, dp_mesh, as_stored)
+        shard(layer, dp_mesh)
     # The root (embeddings, norm_f, lm_head) is needed again as soon as the forward ends.
-    fully_shard(model, mesh=dp_mesh, **(options | {"reshard_after_forward": False}))
+    shard(model, dp_mesh, reshard_after_forward=False)
     return model

@@ -46,20 +46,18 @@ class PipelineStageModule(nn.Module):
         super().__init__()
         self.model = decoder
         self.lm_head = lm_head
-        self.autocast_dtype: torch.dtype | None = None  # set by build_pipeline
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            decoder = self.model
-            if decoder.embed_tokens is not None:
-                x = decoder.embed_tokens(x)
-            position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-            position_embeddings = decoder.rotary_emb(x, position_ids)
-            for layer in decoder.layers.values():
-                x = layer(x, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
-            if decoder.norm is not None:
-                x = decoder.norm(x)
-            return x if self.lm_head is None else self.lm_head(x)
+        decoder = self.model
+        if decoder.embed_tokens is not None:
+            x = decoder.embed_tokens(x)
+        position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        position_embeddings = decoder.rotary_emb(x, position_ids)
+        for layer in decoder.layers.values():
+            x = layer(x, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
+        if decoder.norm is not None:
+            x = decoder.norm(x)
+        return x if self.lm_head is None else self.lm_head(x)
 
 
 def split_stage(model: nn.Module, layer_ids: range, *, first: bool, last: bool) -> PipelineStageModule:
@@ -129,16 +127,14 @@ def build_pipeline(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     stages_per_rank: int | None = None,
     stage_layers: list[int] | None = None,
-    autocast_dtype: torch.dtype | None = None,
     parallelize_fn: Callable[[nn.Module], nn.Module] | None = None,
 ) -> PipelineRunner:
     """Split `model` over the ranks of `pp_mesh` and return this rank's runner.
 
     `stages_per_rank` (virtual stages) defaults to 2 for interleaved 1F1B, 1 otherwise. Every
     stage gets the same number of layers, unless `stage_layers` gives each stage's number of
-    layers. Each stage's forward runs under autocast to `autocast_dtype` when given (train_step's
-    autocast does not reach into the schedule). `parallelize_fn` (expert parallel, FSDP) is applied
-    to each stage module on its device before the schedule is built.
+    layers. `parallelize_fn` (expert parallel, FSDP and its mixed precision) is applied to each
+    stage module on its device before the schedule is built.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
@@ -163,7 +159,6 @@ def build_pipeline(
             model, layer_ranges[stage_index], first=stage_index == 0, last=stage_index == num_stages - 1
         )
         module = _materialize(module, device)
-        module.autocast_dtype = autocast_dtype
         if parallelize_fn is not None:
             module = parallelize_fn(module)
         stages.append(PipelineStage(module, stage_index, num_stages, device, group=pp_mesh.get_group()))

@@ -58,7 +58,7 @@ class TrainSection:
     seq_len: int = 2048
     global_batch_size: int = 8  # sequences per optimizer step, all data-parallel ranks together
     micro_batch_size: int = 0  # sequences per forward on one rank; 0: global / dp (no accumulation)
-    precision: str = "bf16"  # bf16 (autocast, fp32 master weights) or fp32
+    precision: str = "bf16"  # bf16 (fp32 master weights, FSDP2 gathers bf16 copies) or fp32
     grad_clip: float = 1.0
     activation_checkpointing: bool = False
     compile: bool = False

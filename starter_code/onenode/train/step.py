@@ -7,7 +7,6 @@ next-token target (already shifted); positions with -100 are ignored.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterable
 
@@ -17,10 +16,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from ..model import cross_entropy_loss
 from ..parallel import ParallelModel
-from .optim import build_muon
-from .weight_decay import param_groups
+from .optim import build_adamw, build_muon
 
 __all__ = ["build_optimizer", "clip_grad_norm_", "train_step"]
 
@@ -40,9 +37,7 @@ def build_optimizer(
         return build_muon(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **muon_options)
     if name != "adamw":
         raise ValueError(f"unknown optimizer {name!r}: use 'adamw' or 'muon'")
-    # foreach is faster on GPU and fine with DTensor parameters from FSDP2 and EP.
-    groups = param_groups(model.named_parameters(), weight_decay)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+    return build_adamw(model.named_parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
 
 
 def _grads_by_mesh(grads: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
@@ -73,8 +68,12 @@ def _is_expert_shard(mesh: DeviceMesh | None) -> bool:
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, *, pp_mesh: DeviceMesh | None = None,
-                    ep_mesh: DeviceMesh | None = None) -> float:
-    """Clip all gradients to a global L2 norm and return the norm before clipping.
+                    ep_mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """Clip all gradients to a global L2 norm; the norm before clipping, a 0-d float32 tensor.
+
+    Nothing here waits for the device: the norm and the clipping coefficient stay tensors, and the
+    gradients are always multiplied by min(1, max_norm / norm), so the host can queue the optimizer
+    step behind the backward (reading the norm is for logging, once the step is queued).
 
     DTensor gradients (FSDP2) are reduced over their own meshes. With `ep_mesh` (the routed experts
     split over it) the experts' gradients differ across it, each rank holding other experts: their
@@ -90,23 +89,16 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, *, pp_m
         sq = sq + expert_sq
     if pp_mesh is not None:
         dist.all_reduce(sq, group=pp_mesh.get_group())
-    total_norm = float(sq.sqrt())
-    if max_norm and max_norm > 0 and total_norm > max_norm:
-        coef = max_norm / (total_norm + 1e-6)
+    total_norm = sq.sqrt()
+    if max_norm and max_norm > 0:
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for group in groups.values():
-            torch._foreach_mul_(group, coef)
+            torch._foreach_mul_(group, coef.to(group[0].device))
     return total_norm
 
 
-def autocast_context(device: torch.device | str, dtype: torch.dtype | None):
-    """bf16 autocast where asked; a no-op context otherwise."""
-    if dtype is None or dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
-
-
 def _forward_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, accumulation_steps: int,
-                      autocast_dtype: torch.dtype | None, aux_loss_fn: Callable[[], torch.Tensor | None] | None,
+                      aux_loss_fn: Callable[[], torch.Tensor | None] | None,
                       aux_loss_coef: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mean loss (and auxiliary loss) over the micro-batches, their gradients added up.
 
@@ -121,9 +113,7 @@ def _forward_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.T
     for micro, (ids, targets) in enumerate(zip(input_ids.chunk(accumulation_steps), labels.chunk(accumulation_steps))):
         if sync_last_only:
             model.set_requires_gradient_sync(micro == accumulation_steps - 1)
-        with autocast_context(ids.device, autocast_dtype):
-            logits = model(ids).logits
-        loss = cross_entropy_loss(logits, targets)
+        loss = model(ids, labels=targets).loss
         objective = loss
         aux = aux_loss_fn() if aux_loss_fn is not None else None
         if aux is not None:
@@ -140,7 +130,6 @@ def train_step(
     input_ids: torch.Tensor,
     labels: torch.Tensor,
     grad_clip: float = 1.0,
-    autocast_dtype: torch.dtype | None = None,
     *,
     accumulation_steps: int = 1,
     aux_loss_fn: Callable[[], torch.Tensor | None] | None = None,
@@ -148,9 +137,10 @@ def train_step(
 ) -> dict:
     """One optimizer step on this rank's batch.
 
-    `model` is what `parallelize` returned (a plain model is the one-process layout). The batch
-    runs as `accumulation_steps` micro-batches whose gradients add up; with pipeline parallelism
-    the schedule splits it into its own microbatches instead. `aux_loss_fn` returns the auxiliary
+    `model` is what `parallelize` returned (a plain model is the one-process layout); it computes in
+    the precision `parallelize` gave it, so no autocast here. The batch runs as `accumulation_steps`
+    micro-batches whose gradients add up; with pipeline parallelism the schedule splits it into its
+    own microbatches instead. `aux_loss_fn` returns the auxiliary
     loss of the forward just run (`RouterBalancer.pop_aux_loss`); the objective adds it times
     `aux_loss_coef`. Returns this rank's loss (mean over micro-batches; None on pipeline ranks
     without the last stage), the global gradient norm before clipping and, with `aux_loss_fn`,
@@ -164,14 +154,15 @@ def train_step(
                              "loss on its last stage: no accumulation_steps or aux_loss_fn with pp > 1")
         loss, aux = parallel.pipeline.step(input_ids, labels), None
     else:
-        loss, aux = _forward_backward(parallel.model, input_ids, labels, accumulation_steps, autocast_dtype,
-                                      aux_loss_fn, aux_loss_coef)
+        loss, aux = _forward_backward(parallel.model, input_ids, labels, accumulation_steps, aux_loss_fn,
+                                      aux_loss_coef)
     grad_norm = clip_grad_norm_(parallel.parameters(), grad_clip, pp_mesh=parallel.pp_mesh, ep_mesh=parallel.ep_mesh)
     optimizer.step()
+    # The step's one wait for the device, with all of its work queued: the numbers it reports.
     value = None if loss is None else float(loss)
     if value is not None and not math.isfinite(value):
         raise FloatingPointError(f"loss is {value}: lower the learning rate or check the data")
-    out = {"loss": value, "grad_norm": grad_norm}
+    out = {"loss": value, "grad_norm": float(grad_norm)}
     if aux_loss_fn is not None:
         out["aux_loss"] = None if aux is None else float(aux)
     return out

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ..model import build_model, count_parameters, cross_entropy_loss
+from ..model import build_model, count_parameters
 from ..parallel import ParallelDims, ParallelModel, parallelize
 from ..parallel.distributed import init_distributed, local_device, mean_over_ranks
 from ..parallel.layers import apply_activation_checkpointing, apply_compile
@@ -43,7 +43,7 @@ from .logging import MetricsLog, environment, git_commit, read_metrics
 from .plots import plot_loss_curves
 from .recipe import Recipe, RecipeError
 from .schedule import lr_factor, set_lr
-from .step import autocast_context, build_optimizer, train_step
+from .step import build_optimizer, train_step
 
 
 class Trainer:
@@ -56,7 +56,7 @@ class Trainer:
         self.device = local_device() if recipe.train.device == "auto" else torch.device(recipe.train.device)
         self.config = recipe.model_config()
         self.total_steps = recipe.total_steps
-        self.autocast_dtype = torch.bfloat16 if recipe.train.precision == "bf16" else None
+        self.param_dtype = torch.bfloat16 if recipe.train.precision == "bf16" else None
         self._layout()
 
         torch.manual_seed(recipe.seed)
@@ -110,11 +110,10 @@ class Trainer:
                               "splits each rank's batch into its own microbatches)")
 
     def _parallelize(self, model) -> ParallelModel:
-        """The recipe's layout (`onenode.parallel`); one process runs the model as it is."""
-        if self.world == 1:
-            return ParallelModel(model)
+        """The recipe's layout and precision (`onenode.parallel`): bf16 is FSDP2's mixed precision
+        over float32 master weights, on one process too."""
         p = self.recipe.parallel
-        return parallelize(model, ParallelDims(dp=self.dp, ep=p.ep, pp=p.pp), param_dtype=self.autocast_dtype)
+        return parallelize(model, ParallelDims(dp=self.dp, ep=p.ep, pp=p.pp), param_dtype=self.param_dtype)
 
     def _loader(self, split: str):
         d, t = self.recipe.data, self.recipe.train
@@ -194,7 +193,7 @@ class Trainer:
         input_ids, labels = (torch.cat(parts).to(self.device, non_blocking=True) for parts in zip(*micro_batches))
         coef = self.recipe.moe.aux_loss_coef
         out = train_step(self.parallel, self.optimizer, input_ids, labels, self.recipe.train.grad_clip,
-                         self.autocast_dtype, accumulation_steps=self.accumulation,
+                         accumulation_steps=self.accumulation,
                          aux_loss_fn=self.balancer.pop_aux_loss if coef > 0 else None, aux_loss_coef=coef)
         balance = self.balancer.finish_step(self.recipe.moe.bias_update_rate, group=self.dp_group)
         self.step += 1
@@ -213,8 +212,7 @@ class Trainer:
         total = 0.0
         for _ in range(self.recipe.eval.batches):
             input_ids, labels = (t.to(self.device) for t in next(loader))
-            with autocast_context(self.device, self.autocast_dtype):
-                total += float(cross_entropy_loss(model(input_ids).logits, labels))
+            total += float(model(input_ids, labels=labels).loss)
         model.train()
         self.balancer.finish_step(0.0)  # routing during eval is not training load
         return mean_over_ranks(total / self.recipe.eval.batches, self.device)

@@ -66,20 +66,64 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     aligned = all(size * x.element_size() % 16 == 0 for size in (x.shape[-1], weight.shape[-1]))
     if hasattr(torch, "_grouped_mm") and aligned and (
         x.device.type == "cpu"
-        or (x.dtype == torch.bfloat16 and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0))
+        or (x.dtype == torch.bfloat16 and x.is_cuda and torch.cuda.get_device_properties(x.device).major >= 9)
     ):
         return torch._grouped_mm(x, weight, offs=offsets.to(torch.int32))
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
     return torch.cat([rows @ w for rows, w in zip(x.split(sizes), weight)])
 
 
+def _to_expert_order(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """x [N, H] -> [N * k, H]: row p is the token of the p-th (token, slot) pair in expert order."""
+    return x[order // top_k]
+
+
+def _to_token_order(y: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    """y [N * k, H] in expert order -> [N, H]: each token's k rows, gathered back and summed."""
+    return y[inverse].unflatten(0, (-1, top_k)).sum(dim=1)
+
+
+class _DispatchToExperts(torch.autograd.Function):
+    """`_to_expert_order`, whose gradient is `_to_token_order`: gathers both ways. (Indexing's own
+    backward would scatter-add into the tokens, with atomics or a sort.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return _to_expert_order(x, order, top_k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return _to_token_order(grad, inverse, ctx.top_k), None, None, None
+
+
+class _CombineFromExperts(torch.autograd.Function):
+    """`_to_token_order`, whose gradient is `_to_expert_order`: the adjoint of the dispatch."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        ctx.top_k = top_k
+        return _to_token_order(y, inverse, top_k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (order,) = ctx.saved_tensors
+        return _to_expert_order(grad, order, ctx.top_k), None, None, None
+
+
 class GroupedExperts(nn.Module):
     """All routed experts of a layer, stacked: relu² MLPs run as two grouped GEMMs.
 
     The (token, slot) pairs are sorted by expert (a stable argsort of the flat top-k indices), so
-    each expert's tokens are contiguous; the outputs are weighted by the router and added back
-    to their tokens with `index_add_`. No host sync on the grouped-GEMM path: the counts come
-    from `scatter_add_`, whose size is known, not `bincount`.
+    each expert's tokens are contiguous. The router's weight scales each pair's activation before
+    the down projection (which is linear), so the combine is a plain sum: the rows go back to
+    token order through the inverse permutation and each token adds up its k rows. Gathers only,
+    forward and backward (no atomic `index_add_`), and no host sync on the grouped-GEMM path: the
+    counts come from `scatter_add_`, whose size is known, not `bincount`. The weights are used as
+    they come (bf16 under the kit's mixed precision), never cast per call.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
@@ -88,19 +132,18 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        top_k = topk_idx.shape[1]
         flat = topk_idx.reshape(-1)
         order = flat.argsort(stable=True)
-        token = order // topk_idx.shape[1]
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
         counts = torch.zeros(self.up_proj.shape[0], dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         offsets = counts.cumsum(0)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        up, down = self.up_proj.to(dtype), self.down_proj.to(dtype)
-        hidden = F.relu(grouped_mm(x[token].to(dtype), up.transpose(1, 2), offsets)).square()
-        out = grouped_mm(hidden, down.transpose(1, 2), offsets)
-        weighted = out.to(topk_weight.dtype) * topk_weight.reshape(-1)[order, None]
-        combined = torch.zeros(x.shape[0], out.shape[1], dtype=weighted.dtype, device=x.device)
-        return combined.index_add_(0, token, weighted).to(x.dtype)
+        rows = _DispatchToExperts.apply(x, order, inverse, top_k)
+        hidden = F.relu(grouped_mm(rows, self.up_proj.transpose(1, 2), offsets)).square()
+        hidden = hidden * topk_weight.reshape(-1)[order, None].to(hidden.dtype)
+        out = grouped_mm(hidden, self.down_proj.transpose(1, 2), offsets)
+        return _CombineFromExperts.apply(out, order, inverse, top_k)
 
 
 class MoE(nn.Module):

@@ -7,7 +7,8 @@ expert code:
   2. exchange the per-expert counts (all_to_all), the one host sync: the split sizes;
   3. all_to_all the tokens with those uneven splits (autograd-aware: gradients travel back);
   4. run this rank's experts on what arrived, through the layer's own `routed_experts`;
-  5. all_to_all the outputs back, weight them by the router and add them up per token.
+  5. all_to_all the outputs back, undo the sort (the inverse permutation), and add up each
+     token's k outputs weighted by the router.
 The router and the shared expert stay replicated (FSDP shards them like any dense layer).
 """
 
@@ -38,6 +39,7 @@ class ExpertParallelMoE:
         flat = topk_idx.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs by expert, so by owner rank
         token = order // top_k
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=x.device))
         send_counts = torch.zeros(self.ep_num_experts, dtype=torch.int64, device=x.device)
         send_counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync on CUDA
         recv_counts = torch.empty_like(send_counts)  # [source rank, local expert]
@@ -50,9 +52,8 @@ class ExpertParallelMoE:
         unit = torch.ones(len(expert_ids), 1, dtype=topk_weight.dtype, device=x.device)
         out = super().routed_experts(received, expert_ids[:, None], unit)
         back = _all_to_all(out, send_splits, recv_splits, self.ep_group)
-        weighted = back.to(topk_weight.dtype) * topk_weight.reshape(-1)[order, None]
-        combined = torch.zeros(x.shape[0], back.shape[1], dtype=weighted.dtype, device=x.device)
-        return combined.index_add_(0, token, weighted).to(x.dtype)
+        slots = back[inverse].unflatten(0, (-1, top_k))  # back in (token, slot) order: no scatter-add
+        return (slots.to(topk_weight.dtype) * topk_weight[..., None]).sum(dim=1).to(x.dtype)
 
 
 _EP_CLASSES: dict[type, type] = {}

@@ -77,18 +77,16 @@ class PipelineStageModule(nn.Module):
         super().__init__()
         self.backbone = backbone
         self.lm_head = lm_head
-        self.autocast_dtype: torch.dtype | None = None  # set by build_pipeline
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            backbone = self.backbone
-            if backbone.embeddings is not None:
-                x = backbone.embeddings(x)
-            for layer in backbone.layers.values():
-                x = layer(x)
-            if backbone.norm_f is not None:
-                x = backbone.norm_f(x)
-            return x if self.lm_head is None else self.lm_head(x.to(self.lm_head.weight.dtype))
+        backbone = self.backbone
+        if backbone.embeddings is not None:
+            x = backbone.embeddings(x)
+        for layer in backbone.layers.values():
+            x = layer(x)
+        if backbone.norm_f is not None:
+            x = backbone.norm_f(x)
+        return x if self.lm_head is None else self.lm_head(x.to(self.lm_head.weight.dtype))
 
 
 def split_stage(model: nn.Module, layer_ids: range, *, first: bool, last: bool) -> PipelineStageModule:
@@ -163,16 +161,14 @@ def build_pipeline(
     stages_per_rank: int | None = None,
     seq_len: int = 4096,
     stage_layers: list[int] | None = None,
-    autocast_dtype: torch.dtype | None = None,
     parallelize_fn: Callable[[nn.Module], nn.Module] | None = None,
 ) -> PipelineRunner:
     """Split `model` over the ranks of `pp_mesh` and return this rank's runner.
 
     `stages_per_rank` (virtual stages) defaults to 2 for interleaved 1F1B, 1 otherwise. Layers
     are balanced by `layer_costs` at `seq_len`, unless `stage_layers` gives each stage's number of
-    layers. Each stage's forward runs under autocast to `autocast_dtype` when given (train_step's
-    autocast does not reach into the schedule). `parallelize_fn` (expert parallel, FSDP) is applied
-    to each stage module on its device before the schedule is built.
+    layers. `parallelize_fn` (expert parallel, FSDP and its mixed precision) is applied to each
+    stage module on its device before the schedule is built.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
@@ -198,7 +194,6 @@ def build_pipeline(
             model, layer_ranges[stage_index], first=stage_index == 0, last=stage_index == num_stages - 1
         )
         module = _materialize(module, device)
-        module.autocast_dtype = autocast_dtype
         if parallelize_fn is not None:
             module = parallelize_fn(module)
         stages.append(PipelineStage(module, stage_index, num_stages, device, group=pp_mesh.get_group()))

@@ -1,0 +1,82 @@
+"""The next-token loss: from logits, or fused with the LM head a chunk of tokens at a time.
+
+Labels convention (the whole kit): `labels` has the shape of `input_ids` and holds each position's
+next-token target, already shifted (`labels[:, :-1] == input_ids[:, 1:]` for one packed sequence);
+positions with -100 are ignored. The loss is the mean cross entropy, in float32, over the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+# Float32 logits per chunk of the fused head + loss (1 GiB): with a 131k vocabulary, 2048 tokens.
+# Larger chunks mean fewer passes over the [vocab, hidden] weight gradient, smaller ones less memory.
+CHUNK_LOGITS = 2**28
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy in float32 over the positions whose label is not -100."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """`cross_entropy_loss(hidden @ weight.T, labels)` without the [tokens, vocab] logits.
+
+    The forward walks the tokens in chunks; a chunk's logits exist (in float32) only while its loss
+    and its gradients are taken: d(sum of losses)/d logits = softmax - one_hot (zero on ignored
+    rows), cast to the logits' dtype as autograd would, then times the weight (for hidden) and
+    times the chunk's hidden states (for the weight, added up in float32). The backward only scales
+    them by grad / count. Same matmul FLOPs as the plain head and its backward, no recompute.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
+                hidden_grad: bool, weight_grad: bool) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if hidden_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight_grad else None
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start:start + chunk]
+            target = labels[start:start + chunk]
+            kept = target != IGNORE_INDEX
+            target = target.masked_fill(~kept, 0)[:, None]
+            logits = F.linear(h, weight)
+            logits32 = logits.float()
+            lse = torch.logsumexp(logits32, dim=-1, keepdim=True)
+            total += ((lse - logits32.gather(1, target)).squeeze(1) * kept).sum()
+            if not (hidden_grad or weight_grad):
+                continue
+            grad = logits32.sub_(lse).exp_()  # softmax, in place of the float32 logits
+            grad.scatter_add_(1, target, torch.full_like(target, -1, dtype=grad.dtype))
+            grad = grad.mul_(kept[:, None]).to(logits.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:start + chunk] = grad @ weight
+            if grad_weight is not None:
+                grad_weight += grad.t() @ h
+        count = (labels != IGNORE_INDEX).sum()
+        ctx.save_for_backward(grad_hidden, grad_weight, count)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_hidden, grad_weight, count = ctx.saved_tensors
+        scale = grad_loss.float() / count
+        hidden_dtype, weight_dtype = ctx.dtypes
+        return (None if grad_hidden is None else (grad_hidden.float() * scale).to(hidden_dtype),
+                None if grad_weight is None else (grad_weight * scale).to(weight_dtype),
+                None, None, None, None)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         chunk_tokens: int | None = None) -> torch.Tensor:
+    """`cross_entropy_loss(F.linear(hidden, weight), labels)`, the same value to float32 rounding,
+    computed `chunk_tokens` tokens at a time (default: `CHUNK_LOGITS` logits per chunk), so the
+    logits of the whole batch never exist. hidden [..., H], weight [V, H], labels hidden's [...]."""
+    hidden, labels = hidden.flatten(0, -2), labels.flatten()
+    chunk = chunk_tokens or max(1, CHUNK_LOGITS // weight.shape[0])
+    grad = torch.is_grad_enabled()
+    return _LinearCrossEntropy.apply(hidden, weight, labels, chunk, grad and hidden.requires_grad,
+                                     grad and weight.requires_grad)

@@ -1,0 +1,58 @@
+"""Every block compiles as one graph: `torch.compile(block, fullgraph=True)` (which fails on any graph
+break) on the tiny preset, forward and backward, with and without activation checkpointing, and
+computes what the eager block computes. AOT autograd traces the backward as inductor would; the
+aot_eager backend runs it without generating kernels, so this takes seconds on a CPU.
+
+The starter's MoE block is A1's first slow path (a Python loop over the experts with a host sync
+each): it breaks the graph by design, so the MoE block is checked in the reference solution's tree
+(in bf16, as it runs on the GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+from patched_copy import patched_tree, run_in_tree
+
+
+def compile_block(kind: str, checkpointed: bool, dtype: str = "float32") -> dict:
+    """Compile the first block of `kind` fullgraph, run forward and backward; the largest
+    difference from eager, relative to the largest value (also called in a patched tree)."""
+    import torch._dynamo
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from onenode.model import build_model, get_preset
+
+    torch._dynamo.reset()
+    config = get_preset("tiny")
+    model = build_model(config, seed=0, dtype=getattr(torch, dtype))
+    block = model.backbone.layers[config.layer_kinds.index(kind)]
+    if checkpointed:
+        block = checkpoint_wrapper(block, preserve_rng_state=False)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 40, config.hidden_size, generator=gen).to(getattr(torch, dtype))  # 40: not a multiple of
+    grad_out = torch.randn(x.shape, generator=gen).to(x.dtype)  # the 16-step chunk
+
+    def run(fn):
+        inp = x.clone().requires_grad_()
+        block.zero_grad(set_to_none=True)
+        y = fn(inp)
+        y.backward(grad_out)
+        return [y.detach(), inp.grad, *(p.grad for p in block.parameters())]
+
+    eager = run(block)
+    compiled = run(torch.compile(block, fullgraph=True, backend="aot_eager"))
+    return {"error": max(float((a - b).abs().max() / a.abs().max()) for a, b in zip(eager, compiled))}
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("kind", ["mamba", "attention", "mlp"])
+def test_block_compiles_without_graph_breaks(kind, checkpointed):
+    assert compile_block(kind, checkpointed)["error"] < 1e-5
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_reference_moe_block_compiles_without_graph_breaks(checkpointed):
+    """In bfloat16, as on the GPU: the compiler's shape check of `torch._grouped_mm` wants bf16."""
+    result = run_in_tree(patched_tree(["1-moe"]), "test_compile:compile_block", kind="moe",
+                         checkpointed=checkpointed, dtype="bfloat16")
+    assert result["error"] < 1e-2
