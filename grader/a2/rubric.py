@@ -19,6 +19,8 @@ TITLES = {"budget": "Token budget and run audit", "benchmarks": "Benchmarks vs b
 @dataclass(frozen=True)
 class A2Profile(Profile):
     token_budget: int
+    replay_fraction: float  # the spans the grader replays add up to at most this share of a run's steps
+    replay_tolerance: float  # how far a replay not bit for bit may land, relative to the span's own move
     suite: str  # "offline" (built by the grader) or "standard" (lm-eval's tasks)
     benchmark_tiers: list  # [[accuracy gain over the baseline, share], ...]
     heldout_tiers: list  # [[baseline perplexity / yours, share], ...]

@@ -11,11 +11,12 @@ from pathlib import Path
 from ..assignment import Graded
 from ..report import test_entry
 from ..rubric import tier_share
-from .audit import Check, audit_run
+from .audit import Check, audit_run, trained_shards
 from .contamination import contamination
 from .evaluation import evaluate_sandboxed
 from .intake import A2Submission, load_submission, read_json
 from .job import A2Job
+from .replay import replay_checks
 from .rubric import TITLES
 
 
@@ -90,17 +91,27 @@ def run_facts(sub: A2Submission) -> dict:
             "pattern": manifest.get("model_config", {}).get("hybrid_override_pattern")}
 
 
-def grade(job: A2Job, path: Path, work: Path, logs: Path) -> Graded:
-    """Audit, contamination, sandboxed evaluation against the baseline, the notebook. Nothing of
-    the submission runs, so it needs no scratch folder (`work`)."""
-    sub = load_submission(path)
+def verify(job: A2Job, sub: A2Submission, logs: Path, threads: int | None = None) -> tuple[list[Check], dict]:
+    """Every check that makes a run verified, and what the replay cost: the audit (chain,
+    budget by the chain, manifest, logs, checkpoint), the shards trained on (hashed), the replay
+    (initialisation, weights, final weights, data order, spans), contamination of the shards."""
     checks = audit_run(sub, job.profile.token_budget)
-    if job.suite_dir is not None:
-        found = contamination(sub, job.suite_dir)
-        if found is not None:
-            checks.append(found)
+    shards, data = trained_shards(sub)
+    replayed, cost = replay_checks(sub, job.profile, job.stack, f"{job.seed}:{sub.name}", logs, threads)
+    checks += [data, *replayed]
+    checks.append(contamination(sub, shards, job.evaluation_text(), job.profile.threads) if data.ok else
+                  Check("contamination", False, "not checked: the data trained on is not verified (see data)"))
+    return checks, cost
+
+
+def grade(job: A2Job, path: Path, work: Path, logs: Path) -> Graded:
+    """Verification, sandboxed evaluation against the baseline, the notebook. Nothing of the
+    submission's code runs, so it needs no scratch folder (`work`)."""
+    sub = load_submission(path)
+    checks, cost = verify(job, sub, logs)
     report, error = evaluate_sandboxed(sub.checkpoint, job.profile, job.suite_dir, logs, "submission")
     graded = score(job, checks, report, error)
+    graded.numbers.update(cost)
     if report is not None:
         (logs / "eval-report.json").write_text(json.dumps(report, indent=2) + "\n")
     graded.tests += grade_notebook(sub.notebook, logs)
