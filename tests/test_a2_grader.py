@@ -263,7 +263,7 @@ def test_evaluation_text_in_the_trained_shards_is_caught_on_every_profile(tmp_pa
         job.eval_texts = [PASSAGE]
         checks, _ = verified(job, sub)
         assert not checks["contamination"].ok, profile
-        assert checks["contamination"].detail.startswith("1 of 2 training documents share a 13-token sequence")
+        assert checks["contamination"].detail.startswith("1 of 2 training documents share 13 words")
     loaded = load_a2_submission(sub)
     assert contamination(loaded, {"notes": sub / "data" / "notes" / "train.bin"}, [CLEAN.upper()]).ok
 

@@ -2,9 +2,10 @@
 
 The shards scanned are the ones the run's checkpoints name, verified by hash (`audit.trained_shards`);
 the evaluation text is every item of the profile's suite (`onenode.eval.suite.suite_texts`),
-tokenized with the data's own tokenizer. A training document is flagged when it shares a run of
-NGRAM tokens with it: the data pipeline's 13-gram rule, on token ids so that billions of tokens
-scan in minutes: vectorised rolling hashes over the memory-mapped shards (nothing decoded), a
+tokenized with the data's own tokenizer. A training document is flagged when it shares with it
+a run of as many tokens as 13 words take (13 x the evaluation text's tokens per word: 17 for
+GPT-2's BPE, about 35 for a 512-token one): the data pipeline's 13-word rule, on token ids so
+that billions of tokens scan in minutes: vectorised rolling hashes over the memory-mapped shards (nothing decoded), a
 table of the wanted hashes' top bits in front of the exact lookup, chunks spread over the
 profile's CPU threads.
 """
@@ -20,7 +21,7 @@ import numpy as np
 from .audit import Check
 from .intake import A2Submission, read_json
 
-NGRAM = 13
+NGRAM_WORDS = 13  # the data pipeline's `decontaminate` n-gram, in words
 CHUNK_TOKENS = 1 << 22  # tokens hashed at a time (a few hundred MB of temporaries)
 _BASE = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
 _TABLE_BITS = 26  # the lookup table: one byte per value of a hash's top 26 bits (64 MiB)
@@ -41,7 +42,7 @@ def _power_tables(count: int) -> tuple[np.ndarray, np.ndarray]:
     return _powers(_BASE, count), _powers(pow(_BASE, -1, 2**64), count)
 
 
-def ngram_hashes(tokens: np.ndarray, n: int = NGRAM) -> np.ndarray:
+def ngram_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
     """A 64-bit polynomial hash of each of the len(tokens) - n + 1 runs of n consecutive tokens:
     prefix sums of t_i * B**i, differenced and shifted back by B**-i (arithmetic modulo 2**64)."""
     count = len(tokens) - n + 1
@@ -86,18 +87,19 @@ def _shard(prefix: Path, dtype: str):
     return Shard(prefix, np.dtype(dtype))
 
 
-def _scan(task: tuple[Path, str, int]) -> np.ndarray:
-    """The documents of one chunk of a shard (from token `start`) that hold a wanted run."""
-    prefix, dtype, start = task
+def _scan(task: tuple[Path, str, int, int]) -> np.ndarray:
+    """The documents of one chunk of a shard (from token `start`) that hold a wanted run of n tokens."""
+    prefix, dtype, n, start = task
     shard = _shard(prefix, dtype)
-    hits = _wanted.positions(ngram_hashes(shard.tokens[start:start + CHUNK_TOKENS + NGRAM - 1])) + start
+    hits = _wanted.positions(ngram_hashes(shard.tokens[start:start + CHUNK_TOKENS + n - 1], n)) + start
     return np.unique(np.searchsorted(shard.offsets, hits, side="right") - 1)
 
 
-def flagged_documents(shards: dict[str, Path], dtype: str, wanted: np.ndarray, workers: int = 1) -> dict[str, int]:
-    """Per source, how many of its documents hold a run of NGRAM tokens whose hash is in `wanted`."""
-    tasks = [(name, (path.with_suffix(""), dtype, start)) for name, path in shards.items()
-             for start in range(0, max(len(_shard(path.with_suffix(""), dtype).tokens) - NGRAM + 1, 0), CHUNK_TOKENS)]
+def flagged_documents(shards: dict[str, Path], dtype: str, wanted: np.ndarray, n: int,
+                      workers: int = 1) -> dict[str, int]:
+    """Per source, how many of its documents hold a run of `n` tokens whose hash is in `wanted`."""
+    tasks = [(name, (path.with_suffix(""), dtype, n, start)) for name, path in shards.items()
+             for start in range(0, max(len(_shard(path.with_suffix(""), dtype).tokens) - n + 1, 0), CHUNK_TOKENS)]
     state = _Wanted(wanted)
     if workers > 1 and len(tasks) > 1:
         with ProcessPoolExecutor(workers, initializer=_start_worker, initargs=(state,)) as pool:
@@ -120,8 +122,8 @@ def data_tokenizer(data: Path):
 
 
 def contamination(sub: A2Submission, shards: dict[str, Path], eval_texts: list[str], workers: int = 1) -> Check:
-    """Training documents of the shards the run trained on that share a run of NGRAM tokens with
-    the evaluation text; `shards` as `audit.trained_shards` verified them (none: synthetic data)."""
+    """Training documents of the shards the run trained on that share 13 words' worth of tokens
+    with the evaluation text; `shards` as `audit.trained_shards` verified them (none: synthetic)."""
     from onenode.data.shards import Shard
 
     if not shards:
@@ -130,11 +132,13 @@ def contamination(sub: A2Submission, shards: dict[str, Path], eval_texts: list[s
     tokenizer = data_tokenizer(sub.data)
     if tokenizer.content_hash() != manifest["tokenizer"]["sha256"]:
         return Check("contamination", False, "data/ holds another tokenizer than the one its shards were built with")
-    wanted = np.concatenate([ngram_hashes(np.asarray(ids)) for ids in tokenizer.encode_batch(eval_texts)]
-                            + [np.empty(0, dtype=np.uint64)])
-    flagged = flagged_documents(shards, manifest["dtype"], wanted, workers) if len(wanted) else {}
+    encoded = tokenizer.encode_batch(eval_texts)
+    words = sum(len(text.split()) for text in eval_texts)
+    n = max(NGRAM_WORDS, round(NGRAM_WORDS * sum(map(len, encoded)) / max(words, 1)))
+    wanted = np.concatenate([ngram_hashes(np.asarray(ids), n) for ids in encoded] + [np.empty(0, dtype=np.uint64)])
+    flagged = flagged_documents(shards, manifest["dtype"], wanted, n, workers) if len(wanted) else {}
     total = sum(Shard(path.with_suffix(""), np.dtype(manifest["dtype"])).num_docs for path in shards.values())
-    worst = sorted((n, name) for name, n in flagged.items() if n)
-    return Check("contamination", not worst,
-                 f"{sum(flagged.values())} of {total} training documents share a {NGRAM}-token sequence with the "
-                 "evaluation text" + (f" ({', '.join(f'{name}: {n}' for n, name in worst[::-1])})" if worst else ""))
+    sources = ", ".join(f"{name}: {count}" for name, count in sorted(flagged.items(), key=lambda x: -x[1]) if count)
+    return Check("contamination", not sources,
+                 f"{sum(flagged.values())} of {total} training documents share {NGRAM_WORDS} words ({n} tokens) "
+                 "with the evaluation text" + (f" ({sources})" if sources else ""))
