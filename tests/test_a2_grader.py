@@ -268,6 +268,33 @@ def test_evaluation_text_in_the_trained_shards_is_caught_on_every_profile(tmp_pa
     assert contamination(loaded, {"notes": sub / "data" / "notes" / "train.bin"}, [CLEAN.upper()]).ok
 
 
+# -- scores above the noise ----------------------------------------------------------------------
+def _report(accuracy: float, perplexity: float, accuracy_error: float = 0.05, perplexity_error: float = 2.0) -> dict:
+    return {"suite": "offline", "headline": {
+        "onenode_cloze": {"metric": "acc_norm", "value": accuracy, "stderr": accuracy_error, "higher_is_better": True},
+        "onenode_heldout": {"metric": "word_perplexity", "value": perplexity, "stderr": perplexity_error,
+                            "higher_is_better": False}}}
+
+
+def test_a_difference_inside_two_standard_errors_cannot_move_the_points(job):
+    from grader.a2.audit import Check
+    from grader.a2.scoring import score
+
+    job._baseline = _report(0.50, 100.0)
+
+    def points(report):
+        graded = score(job, [Check("audit", True, "verified")], report, None)
+        return {t["tags"][0]: t["score"] for t in graded.tests if t["tags"][0] != "budget"}, graded
+    # two standard errors of the difference: 2 x hypot(0.05, 0.05) = 0.141 accuracy, about 6% perplexity
+    par, graded = points(_report(0.50, 100.0))
+    assert "0.5 ± 0.05 vs baseline 0.5 ± 0.05" in graded.tests[1]["output"]
+    assert graded.facts["stderr"]["onenode_cloze acc_norm"] == 0.05
+    for inside in (_report(0.63, 97.0), _report(0.37, 103.0), _report(0.5, 100.0, 0.0, 0.0)):
+        assert points(inside)[0] == par
+    better, worse = points(_report(0.65, 94.0))[0], points(_report(0.35, 106.5))[0]
+    assert all(better[k] > par[k] > worse[k] for k in par), (better, par, worse)
+
+
 # -- a cohort ------------------------------------------------------------------------------------
 @pytest.mark.slow  # trains the reference (cached) and the baseline, then five sandboxed evaluations
 def test_cohort_is_graded_against_the_baseline(tmp_path):

@@ -20,8 +20,32 @@ from .replay import replay_checks
 from .rubric import TITLES
 
 
+def margin_in_stderr(entry: dict, ref: dict) -> float:
+    """The margin over the baseline in standard errors of the difference (positive: better):
+    accuracy for benchmarks, log perplexity for perplexity; each side's error from its report
+    (lm-eval's, or `onenode.eval.run`'s for perplexity), the two independent."""
+    value, base = entry["value"], ref["value"]
+    error, base_error = entry.get("stderr") or 0.0, ref.get("stderr") or 0.0
+    if entry["higher_is_better"]:
+        margin, spread = value - base, math.hypot(error, base_error)
+    elif value > 0 and base > 0:
+        margin, spread = math.log(base / value), math.hypot(error / value, base_error / base)
+    else:
+        return -math.inf
+    if spread > 0:
+        return margin / spread
+    return math.copysign(math.inf, margin) if margin else 0.0
+
+
+def _shown(entry: dict) -> str:
+    error = entry.get("stderr")
+    return f"{entry['value']:.4g}" + (f" ± {error:.2g}" if error is not None else "")
+
+
 def score(job: A2Job, checks: list[Check], report: dict | None, error: str | None) -> Graded:
-    """Tests and leaderboard entries from the audit and the evaluation, against the baseline."""
+    """Tests and leaderboard entries from the audit and the evaluation, against the baseline.
+    A task's share is the tier its margin reaches in standard errors of the difference
+    (`margin_tiers`), so a difference inside the evaluation's noise cannot move the points."""
     points, profile = job.rubric.points, job.profile
     res = Graded()
     verified = bool(checks) and all(c.ok for c in checks)
@@ -36,29 +60,27 @@ def score(job: A2Job, checks: list[Check], report: dict | None, error: str | Non
         return res
     base = job.baseline
     gate = "" if verified else " (no points: the run is not verified)"
+    tiers = ", ".join(f">= {t:+g} -> {s:.0%}" for t, s in profile.margin_tiers)
     choice_tasks = [t for t, e in report["headline"].items() if e["higher_is_better"]]
     per_task = points["benchmarks"] / max(1, len(choice_tasks))
+    stderr = res.facts.setdefault("stderr", {})
     for task, entry in report["headline"].items():
-        value, ref = entry["value"], base["headline"].get(task, {}).get("value")
-        res.numbers[task] = value
-        res.leaderboard.append({"name": f"{task} {entry['metric']}", "value": _round(value),
+        ref = base["headline"].get(task, {})
+        name = f"{task} {entry['metric']}"
+        res.numbers[task] = entry["value"]
+        res.leaderboard.append({"name": name, "value": _round(entry["value"]),
                                 **({} if entry["higher_is_better"] else {"order": "asc"})})
-        if value is None or ref is None:
-            earned, line = 0.0, f"{task}: no score"
-        elif entry["higher_is_better"]:
-            earned = per_task * tier_share(profile.benchmark_tiers, value - ref)
-            line = f"{task} {entry['metric']} {value:.4f} vs baseline {ref:.4f} ({value - ref:+.4f})"
+        stderr[name] = _round(entry.get("stderr"))
+        key, most = ("benchmarks", per_task) if entry["higher_is_better"] else ("heldout", points["heldout"])
+        if entry["value"] is None or ref.get("value") is None:
+            earned, line = 0.0, f"{name}: no score"
         else:
-            ratio = ref / value if value > 0 else 0.0
-            earned = points["heldout"] * tier_share(profile.heldout_tiers, ratio)
-            res.tests.append(test_entry(TITLES["heldout"], earned if verified else 0, points["heldout"],
-                                        f"{task} {entry['metric']} {value:.3f} vs baseline {ref:.3f} "
-                                        f"(baseline/yours {ratio:.3f}; tiers "
-                                        + ", ".join(f">= {t:g} -> {s:.0%}" for t, s in profile.heldout_tiers)
-                                        + f"){gate}", "heldout"))
-            continue
-        res.tests.append(test_entry(f"Benchmark: {task}", earned if verified else 0, per_task, line + gate,
-                                    "benchmarks"))
+            z = margin_in_stderr(entry, ref)
+            earned = most * tier_share(profile.margin_tiers, z)
+            line = (f"{name} {_shown(entry)} vs baseline {_shown(ref)}: {z:+.2f} standard errors of the "
+                    f"difference (tiers {tiers})")
+        title = f"Benchmark: {task}" if key == "benchmarks" else TITLES["heldout"]
+        res.tests.append(test_entry(title, earned if verified else 0, most, line + gate, key))
     heldout = report.get("heldout")
     if heldout:
         res.numbers.update(val_loss=heldout["loss"], val_ppl=heldout["perplexity"])
@@ -116,5 +138,5 @@ def grade(job: A2Job, path: Path, work: Path, logs: Path) -> Graded:
         (logs / "eval-report.json").write_text(json.dumps(report, indent=2) + "\n")
     graded.tests += grade_notebook(sub.notebook, logs)
     shutil.copy2(sub.metrics, logs / "metrics.jsonl")  # the leaderboard's loss curve
-    graded.facts = {"run": run_facts(sub), "audit": [c.__dict__ for c in checks]}
+    graded.facts.update(run=run_facts(sub), audit=[c.__dict__ for c in checks])
     return graded
