@@ -57,5 +57,6 @@ class Assignment:
     csv_columns: Callable[[dict], dict]  # a results.json -> its cohort.csv columns between the score and the note
     table: Callable[[list[dict]], list[list[str]]]  # cohort.csv rows -> the terminal table, header first
     leaderboard_title: str
-    leaderboard_columns: Callable[[list], list[tuple]]  # its entries -> [(header, read a results.json, format)]
+    # its entries -> [(header, read a results.json, format[, read the standard error shown as "± e"])]
+    leaderboard_columns: Callable[[list], list[tuple]]
     leaderboard_plots: tuple[tuple[str, Callable], ...] = ()  # (PNG name, plot(entries, path, pyplot) -> drawn)

@@ -55,15 +55,23 @@ def read_cohorts(folders: list[Path]) -> list[Entry]:
     return entries
 
 
+def _present(value) -> bool:
+    return value is not None and not (isinstance(value, float) and not math.isfinite(value))
+
+
 def table_rows(entries: list[Entry], columns: list[tuple]) -> list[list]:
-    """[name, (raw value, text), ...] per entry, best score first."""
+    """[name, (raw value, text), ...] per entry, best score first. A column is (header, read,
+    format) or (header, read, format, read its standard error): then the text is "value ± error"."""
     rows = []
     for entry in sorted(entries, key=lambda e: -e.results["score"]):
         cells = [entry.name]
-        for _, read, fmt in columns:
+        for _, read, fmt, *spread in columns:
             value = read(entry.results)
-            missing = value is None or (isinstance(value, float) and not math.isfinite(value))
-            cells.append((None, "-") if missing else (value, fmt.format(value)))
+            if not _present(value):
+                cells.append((None, "-"))
+                continue
+            error = spread[0](entry.results) if spread else None
+            cells.append((value, fmt.format(value) + (f" ± {error:.2g}" if _present(error) else "")))
         rows.append(cells)
     return rows
 

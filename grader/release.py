@@ -141,15 +141,25 @@ def leaks(bundle: Path, secret_lines: set[str]) -> list[str]:
     return found
 
 
+def starter_tree(assignment: str, dest: Path) -> Path:
+    """The starter students get for `assignment`, at `dest/starter_code`: the kit's, with the
+    reference A1 patch applied where the assignment starts from the fixed stack (A2, DESIGN.md)."""
+    if not HANDOUTS[assignment].with_reference_a1:
+        return pristine_tree(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="reference-a1-", dir=dest.parent))
+    try:
+        return patched_tree(load_submission(SOLUTIONS_A1, work), dest)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def build(assignment: str, stage: Path, course: Path) -> None:
     """The student repository of `assignment` in the empty folder `stage`."""
     handout = HANDOUTS[assignment]
     work = Path(tempfile.mkdtemp(prefix="release-", dir=stage.parent))
     try:
-        if handout.with_reference_a1:
-            patched_tree(load_submission(SOLUTIONS_A1, work), work / "tree")
-        else:
-            pristine_tree(work / "tree")
+        starter_tree(assignment, work / "tree")
         shutil.move(str(work / "tree" / "starter_code"), str(stage / "starter_code"))
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -1,6 +1,11 @@
-"""`onenode-grade a2`: the budget audit accepts a consistent run and rejects one past its budget,
-doctored logs, and a manifest that disagrees with its checkpoint; submitted data that contains
-the evaluation text is caught; a cohort is graded end to end against the baseline."""
+"""`onenode-grade a2`: a run is verified only when its checkpoint chain, partly replayed on the
+grader's own A2 stack, ties its weights to the recipe's initialisation, to the data submitted
+and to the tokens it claims. An honest run passes (the replay's cost is printed); a run trained
+past its budget with every file edited, re-initialised or swapped weights, a run continued from
+a foreign checkpoint and a run trained on other data than submitted each fail with one line;
+doctored logs and a manifest that disagrees with its checkpoint are caught by the audit;
+evaluation text in the shards trained on is caught on every profile; a cohort is graded end to
+end against the baseline."""
 
 from __future__ import annotations
 
@@ -9,49 +14,65 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from test_eval import load_make_reference
 
 from grader.a2 import A2
-from grader.a2.audit import audit_run
+from grader.a2.audit import audit_run, trained_shards
 from grader.a2.contamination import contamination
 from grader.a2.intake import load_submission as load_a2_submission
 from grader.a2.job import new_job as new_a2_job
+from grader.a2.job import train_on_stack, trained_run
 from grader.a2.rubric import load_rubric as load_a2_rubric
+from grader.a2.scoring import verify
 from grader.cohort import grade_cohort
 from grader.errors import SubmissionError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "a2_pretrain" / "recipes" / "tiny.yaml"
+STEPS, TOKENS_PER_STEP = 20, 4 * 32
+BUDGET = STEPS * TOKENS_PER_STEP
+# 20 steps of 4 x 32 tokens in 2 micro-batches, a checkpoint every 2 steps (10% of the run: the
+# cpu-tiny profile replays one span): seconds on the grader's A2 stack.
 SMALL = {"train.seq_len": 32, "train.global_batch_size": 4, "train.micro_batch_size": 2,
-         "train.token_budget": 768, "checkpoint.every_steps": 0, "eval.every_steps": 0, "eval.batches": 1,
-         "log.every_steps": 1, "log.tensorboard": False, "log.progress_bar": False}
+         "train.token_budget": BUDGET, "checkpoint.every_steps": 2, "checkpoint.keep_last": 0,
+         "eval.every_steps": 0, "eval.batches": 1, "log.every_steps": 1, "log.tensorboard": False,
+         "log.progress_bar": False}
+PASSAGE = ("Now is the winter of our discontent made glorious summer by this sun of York and all the clouds "
+           "that lour'd upon our house in the deep bosom of the ocean buried")
+make_reference = load_make_reference()
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A real 6-step run of the tiny recipe on synthetic data (seconds), as a submission folder."""
-    from onenode.train.recipe import load_recipe
-    from onenode.train.trainer import Trainer
-
-    out = tmp_path_factory.mktemp("run")
-    Trainer(load_recipe(TINY, SMALL), out / "run", resume=None).fit()
-    sub = out / "submission"
-    sub.mkdir()
-    shutil.copytree(out / "run" / "final", sub / "final")
-    for name in ("recipe.yaml", "run_manifest.json", "metrics.jsonl"):
-        shutil.copy2(out / "run" / name, sub / name)
-    return sub
+def run() -> Path:
+    """A real run of the tiny recipe on synthetic data, trained once (cached) on the A2 stack."""
+    return trained_run(TINY, SMALL)
 
 
 @pytest.fixture
-def submission(run, tmp_path):
-    copy = tmp_path / "sub"
-    shutil.copytree(run, copy)
-    return copy
+def submission(run, tmp_path) -> Path:
+    return make_reference.assemble(run, tmp_path / "sub")
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """A cpu-tiny grading job whose suite text is PASSAGE (the real suite's: the cohort test)."""
+    job = new_a2_job(load_a2_rubric(), "cpu-tiny", tmp_path_factory.mktemp("job"), seed=0)
+    job.eval_texts = [PASSAGE]
+    return job
 
 
 def _failed(checks) -> set[str]:
     return {c.name for c in checks if not c.ok}
+
+
+def verified(job, path: Path, threads: int | None = None) -> tuple[dict, dict]:
+    """Every verification check of the submission at `path` by name, and the replay's cost."""
+    logs = path.with_name(f"{path.name}-logs")
+    logs.mkdir(exist_ok=True)
+    checks, cost = verify(job, load_a2_submission(path), logs, threads)
+    assert all("\n" not in c.detail for c in checks), "every reason is one line"
+    return {c.name: c for c in checks}, cost
 
 
 def _edit_json(path: Path, change) -> None:
@@ -60,28 +81,56 @@ def _edit_json(path: Path, change) -> None:
     path.write_text(json.dumps(data))
 
 
+def _metas(sub: Path) -> list[Path]:
+    return sorted((sub / "checkpoints").glob("step_*/meta.json"))
+
+
+# -- an honest run -------------------------------------------------------------------------------
 def test_consistent_run_within_budget_is_verified(submission):
-    checks = audit_run(load_a2_submission(submission), token_budget=768)
-    assert {c.name for c in checks} >= {"budget", "logs", "checkpoint", "manifest arithmetic", "final manifest"}
+    checks = audit_run(load_a2_submission(submission), token_budget=BUDGET)
+    assert {c.name for c in checks} >= {"chain", "budget", "logs", "checkpoint", "manifest arithmetic",
+                                        "final manifest"}
     assert not _failed(checks), [c.detail for c in checks if not c.ok]
 
 
+def test_honest_run_is_verified_by_replay_and_its_cost_measured(job, submission, capsys):
+    checks, cost = verified(job, submission)
+    assert all(c.ok for c in checks.values()), [c.detail for c in checks.values() if not c.ok]
+    assert "bit for bit" in checks["replay"].detail
+    assert 0 < cost["replay_fraction"] <= job.profile.replay_fraction
+    with capsys.disabled():
+        print(f"\nreplay cost: {cost['replay_steps']} of {STEPS} steps ({cost['replay_fraction']:.0%}) replayed in "
+              f"{cost['replay_seconds']:.2f} s; the whole sandboxed verification {cost['verify_seconds']:.1f} s; "
+              f"the run itself {cost['run_seconds']:.1f} s")
+
+
+def test_replay_on_other_threads_passes_within_the_stated_tolerance(job, submission, capsys):
+    """One CPU thread trained it, two replay it: other bits, the same training (the tolerance)."""
+    checks, _ = verified(job, submission, threads=2)
+    assert checks["replay"].ok and "within the tolerance" in checks["replay"].detail, checks["replay"].detail
+    with capsys.disabled():
+        print(f"\nreplay on 2 threads of a 1-thread run: {checks['replay'].detail}")
+
+
+# -- the audit -----------------------------------------------------------------------------------
 def test_run_past_the_budget_is_rejected(submission):
-    assert _failed(audit_run(load_a2_submission(submission), token_budget=512)) == {"budget"}
+    assert _failed(audit_run(load_a2_submission(submission), token_budget=BUDGET - TOKENS_PER_STEP)) == {"budget"}
 
 
 def test_hiding_tokens_in_the_manifest_is_caught(submission):
     for path in (submission / "run_manifest.json", submission / "final" / "run_manifest.json"):
-        _edit_json(path, lambda m: m.update(tokens_seen=384, steps=3))
-    assert _failed(audit_run(load_a2_submission(submission), token_budget=512)) >= {"logs", "manifest arithmetic"}
+        _edit_json(path, lambda m: m.update(tokens_seen=BUDGET // 2, steps=STEPS // 2))
+    failed = _failed(audit_run(load_a2_submission(submission), token_budget=BUDGET // 2))
+    assert failed >= {"logs", "manifest arithmetic", "budget"}  # the chain counts the tokens, not the manifest
 
 
 def test_manifest_that_disagrees_with_its_checkpoint_is_rejected(submission, tmp_path):
-    make_reference = load_make_reference()
     mismatch = make_reference.make_manifest_mismatch(submission, tmp_path / "mismatch")
-    assert _failed(audit_run(load_a2_submission(mismatch), token_budget=768)) == {"checkpoint"}
+    assert _failed(audit_run(load_a2_submission(mismatch), token_budget=BUDGET)) == {"checkpoint"}
     _edit_json(submission / "final" / "run_manifest.json", lambda m: m.update(data_digest="0" * 64))
-    assert _failed(audit_run(load_a2_submission(submission), token_budget=768)) == {"final manifest"}
+    assert _failed(audit_run(load_a2_submission(submission), token_budget=BUDGET)) == {"final manifest"}
+    _edit_json(submission / "run_manifest.json", lambda m: m.pop("data_tokens_served"))
+    assert "manifest arithmetic" in _failed(audit_run(load_a2_submission(submission), token_budget=BUDGET))
 
 
 def test_incomplete_submission_is_one_line(submission):
@@ -93,33 +142,163 @@ def test_incomplete_submission_is_one_line(submission):
         load_a2_submission(submission)
 
 
-def test_data_containing_the_evaluation_text_is_caught(submission, tmp_path):
+# -- forgeries -----------------------------------------------------------------------------------
+def disguise(run: Path, dest: Path, factor: int) -> Path:
+    """A run trained `factor` times past its claim, with every file edited to claim 1/factor of
+    it: the recipe's budget, the manifests, the log, the checkpoints renamed and their meta.json
+    rewritten (steps, tokens, links, recipe hash). Only the weights and the data position tell."""
+    from onenode.train.recipe import load_recipe
+
+    sub = make_reference.assemble(run, dest)
+    recipe = yaml.safe_load((sub / "recipe.yaml").read_text())
+    recipe["train"]["token_budget"] //= factor
+    (sub / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    claimed = load_recipe(sub / "recipe.yaml").training_sha256
+    for meta_path in _metas(sub):
+        meta = json.loads(meta_path.read_text())
+        meta.update(step=meta["step"] // factor, tokens_seen=meta["tokens_seen"] // factor, training_sha256=claimed)
+        if meta["previous"]:
+            meta["previous"]["step"] //= factor
+        meta_path.write_text(json.dumps(meta))
+        meta_path.parent.rename(meta_path.parent.with_name(f"step_{meta['step']:08d}"))
+
+    def claim(m):
+        m.update({k: m[k] // factor for k in ("steps", "total_steps", "tokens_seen", "token_budget",
+                                               "data_tokens_served")}, recipe=recipe)
+    for path in (sub / "run_manifest.json", sub / "final" / "run_manifest.json"):
+        _edit_json(path, claim)
+    records = [json.loads(line) for line in (sub / "metrics.jsonl").read_text().splitlines()]
+    (sub / "metrics.jsonl").write_text("".join(
+        json.dumps({**r, "step": r["step"] // factor, "tokens": r["tokens"] // factor}) + "\n"
+        for r in records if r["step"] % factor == 0))
+    return sub
+
+
+def test_run_trained_four_times_its_budget_with_every_file_edited_fails(job, tmp_path):
+    long_run = trained_run(TINY, {**SMALL, "train.token_budget": 4 * BUDGET, "checkpoint.every_steps": 8})
+    sub = disguise(long_run, tmp_path / "disguised", factor=4)
+    assert not _failed(audit_run(load_a2_submission(sub), token_budget=BUDGET))  # the files tell one story
+    checks, _ = verified(job, sub)
+    assert not checks["replay"].ok and "were not trained by that span" in checks["replay"].detail
+    assert not checks["data order"].ok and "is not the one the submitted data gives" in checks["data order"].detail
+
+
+def test_reinitialised_or_swapped_weights_fail(job, submission, tmp_path):
+    untrained = make_reference.make_untrained(submission, tmp_path / "untrained")
+    checks, _ = verified(job, untrained)
+    assert _failed(checks.values()) == {"final weights"}, checks["final weights"].detail
+    assert "does NOT hold the weights of the chain's last checkpoint" in checks["final weights"].detail
+    last, before = sorted((submission / "checkpoints").glob("step_*"))[-1:-3:-1]
+    for name in [".metadata", *(p.name for p in before.glob("*.distcp"))]:  # last checkpoint's weights swapped
+        shutil.copy2(before / name, last / name)
+    checks, _ = verified(job, submission)
+    assert not checks["weights"].ok and checks["weights"].detail.startswith(f"{last.name}/meta.json records weights")
+
+
+def test_run_continued_from_a_foreign_checkpoint_fails(job, tmp_path):
+    """Another run (seed 1) to half the budget, then this recipe resumed from it to the end."""
+    continued = tmp_path / "continued"
+    shutil.copytree(trained_run(TINY, {**SMALL, "seed": 1, "train.token_budget": BUDGET // 2}), continued)
+    train_on_stack(TINY, continued, SMALL)
+    sub = make_reference.assemble(continued, tmp_path / "sub")
+    chain = next(c for c in audit_run(load_a2_submission(sub), token_budget=BUDGET) if c.name == "chain")
+    assert not chain.ok and "trained with another recipe" in chain.detail
+    from onenode.train.recipe import load_recipe
+
+    ours = load_recipe(sub / "recipe.yaml").training_sha256
+    for meta_path in _metas(sub):  # the foreign checkpoints made to claim this recipe
+        _edit_json(meta_path, lambda m: m.update(training_sha256=ours))
+    checks, _ = verified(job, sub)
+    assert checks["chain"].ok and not checks["initialisation"].ok
+    assert "is NOT the recipe's seeded initialisation" in checks["initialisation"].detail
+    for early in sorted((sub / "checkpoints").glob("step_*"))[:STEPS // 4 + 1]:  # only this run's checkpoints
+        shutil.rmtree(early)
+    assert "the chain starts at step_00000012" in next(
+        c.detail for c in audit_run(load_a2_submission(sub), token_budget=BUDGET) if c.name == "chain")
+
+
+def _build_data(folder: Path, docs: dict[str, str], tokenizer: str | dict) -> Path:
     from onenode.data import build
 
-    passage = ("Now is the winter of our discontent made glorious summer by this sun of York and all the clouds "
-               "that lour'd upon our house in the deep bosom of the ocean buried")
-    suite = tmp_path / "suite"
-    suite.mkdir()
-    (suite / "onenode_heldout.jsonl").write_text(json.dumps({"text": passage}) + "\n")
-    corpus = tmp_path / "docs"
+    corpus = folder.with_name(f"{folder.name}-text")
     corpus.mkdir()
-    (corpus / "clean.txt").write_text("An entirely different text about ships, sealing wax and kings. " * 5)
-    (corpus / "leak.txt").write_text("Prologue. " + passage + " And more words follow here. " * 3)
-    config = {"tokenizer": {"train_bpe": {"vocab_size": 300}}, "val_fraction": 0.0,
+    for name, text in docs.items():
+        (corpus / name).write_text(text)
+    config = {"tokenizer": tokenizer, "val_fraction": 0.0,
               "sources": {"notes": {"kind": "files", "paths": [str(corpus / "*.txt")]}}}
-    build(config, submission / "data", log=lambda *a: None)
-    shutil.copy2(submission / "data" / "tokenizer.json", submission / "final" / "tokenizer.json")
-    found = contamination(load_a2_submission(submission), suite)
-    assert not found.ok and found.detail.startswith("1 of 2 training documents")
-    (corpus / "leak.txt").unlink()
-    build(config, submission / "data", log=lambda *a: None)
-    assert contamination(load_a2_submission(submission), suite).ok
+    build(config, folder, log=lambda *a: None)
+    return folder
 
 
+CLEAN = "An entirely different text about ships, sealing wax and kings, and why the sea is boiling hot. " * 5
+
+
+def _trained_on(data: Path) -> Path:
+    return trained_run(TINY, {**SMALL, "data.source": "shards", "data.path": str(data)})
+
+
+def test_run_trained_on_other_data_than_submitted_fails(job, tmp_path):
+    data = _build_data(tmp_path / "data", {"clean.txt": CLEAN}, {"train_bpe": {"vocab_size": 300}})
+    other = _build_data(tmp_path / "other", {"clean.txt": CLEAN.upper()}, str(data / "tokenizer.json"))
+    shutil.copy2(data / "tokenizer.json", other / "tokenizer.json")
+    sub = make_reference.assemble(_trained_on(data), tmp_path / "sub")
+    shutil.rmtree(sub / "data")
+    shutil.copytree(other, sub / "data")
+    _, found = trained_shards(load_a2_submission(sub))
+    assert not found.ok and "it trained on other data than submitted" in found.detail
+    shard = json.loads((other / "manifest.json").read_text())["sources"]["notes"]["splits"]["train"]["sha256"]
+    for meta_path in _metas(sub):  # the checkpoints made to name the submitted shards
+        _edit_json(meta_path, lambda m: m["loader"]["settings"]["shards"].update(notes=shard))
+    checks, _ = verified(job, sub)
+    assert checks["data"].ok and not checks["data order"].ok
+    assert "settings.shards" in checks["data order"].detail
+
+
+def test_evaluation_text_in_the_trained_shards_is_caught_on_every_profile(tmp_path):
+    data = _build_data(tmp_path / "data", {"clean.txt": CLEAN, "leak.txt": "Prologue. " + PASSAGE + " And more. " * 3},
+                       {"train_bpe": {"vocab_size": 300}})
+    sub = make_reference.assemble(_trained_on(data), tmp_path / "sub")
+    for profile in ("cpu-tiny", "h100x8"):
+        job = new_a2_job(load_a2_rubric(), profile, tmp_path / profile, seed=0)
+        job.eval_texts = [PASSAGE]
+        checks, _ = verified(job, sub)
+        assert not checks["contamination"].ok, profile
+        assert checks["contamination"].detail.startswith("1 of 2 training documents share 13 words")
+    loaded = load_a2_submission(sub)
+    assert contamination(loaded, {"notes": sub / "data" / "notes" / "train.bin"}, [CLEAN.upper()]).ok
+
+
+# -- scores above the noise ----------------------------------------------------------------------
+def _report(accuracy: float, perplexity: float, accuracy_error: float = 0.05, perplexity_error: float = 2.0) -> dict:
+    return {"suite": "offline", "headline": {
+        "onenode_cloze": {"metric": "acc_norm", "value": accuracy, "stderr": accuracy_error, "higher_is_better": True},
+        "onenode_heldout": {"metric": "word_perplexity", "value": perplexity, "stderr": perplexity_error,
+                            "higher_is_better": False}}}
+
+
+def test_a_difference_inside_two_standard_errors_cannot_move_the_points(job):
+    from grader.a2.audit import Check
+    from grader.a2.scoring import score
+
+    job._baseline = _report(0.50, 100.0)
+
+    def points(report):
+        graded = score(job, [Check("audit", True, "verified")], report, None)
+        return {t["tags"][0]: t["score"] for t in graded.tests if t["tags"][0] != "budget"}, graded
+    # two standard errors of the difference: 2 x hypot(0.05, 0.05) = 0.141 accuracy, about 6% perplexity
+    par, graded = points(_report(0.50, 100.0))
+    assert "0.5 ± 0.05 vs baseline 0.5 ± 0.05" in graded.tests[1]["output"]
+    assert graded.facts["stderr"]["onenode_cloze acc_norm"] == 0.05
+    for inside in (_report(0.63, 97.0), _report(0.37, 103.0), _report(0.5, 100.0, 0.0, 0.0)):
+        assert points(inside)[0] == par
+    better, worse = points(_report(0.65, 94.0))[0], points(_report(0.35, 106.5))[0]
+    assert all(better[k] > par[k] > worse[k] for k in par), (better, par, worse)
+
+
+# -- a cohort ------------------------------------------------------------------------------------
 @pytest.mark.slow  # trains the reference (cached) and the baseline, then five sandboxed evaluations
 def test_cohort_is_graded_against_the_baseline(tmp_path):
     pytest.importorskip("lm_eval")
-    make_reference = load_make_reference()
     cohort = tmp_path / "cohort"
     reference = make_reference.make_submission(cohort / "reference")
     make_reference.make_untrained(reference, cohort / "untrained")
@@ -136,12 +315,14 @@ def test_cohort_is_graded_against_the_baseline(tmp_path):
         return [t for t in results[name]["tests"] if tag in t["tags"]]
 
     assert results["reference"]["extra_data"]["numbers"]["verified"]
-    assert results["untrained"]["extra_data"]["numbers"]["verified"]
+    assert not results["untrained"]["extra_data"]["numbers"]["verified"]  # final/ is not the chain's end
     assert not results["manifest-mismatch"]["extra_data"]["numbers"]["verified"]
     assert sum(t["score"] for t in entries("manifest-mismatch", "benchmarks")) == 0  # evaluated, but earns nothing
     assert results["manifest-mismatch"]["leaderboard"]
     assert results["reference"]["score"] > results["untrained"]["score"]
-    assert any(c["name"] == "contamination" and c["ok"] for c in results["reference"]["extra_data"]["audit"])
+    audit = {c["name"]: c for c in results["reference"]["extra_data"]["audit"]}
+    assert audit["contamination"]["ok"] and audit["replay"]["ok"], audit
+    assert 0 < results["reference"]["extra_data"]["numbers"]["replay_fraction"] <= profile.replay_fraction
     for name in results:
         assert (out / name / "feedback.md").is_file() and (out / name / "env.json").is_file()
     assert (out / "reference" / "logs" / "metrics.jsonl").is_file()

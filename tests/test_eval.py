@@ -96,6 +96,21 @@ def test_bad_checkpoint_or_missing_tokenizer_is_one_line(tmp_path, capsys):
         checkpoint_tokenizer(tmp_path)
 
 
+def test_perplexity_standard_error_is_the_documents_spread():
+    """lm-eval gives no standard error for perplexity: with documents of equal length, the kit's
+    is the standard error of the mean of their per-token rates (then through the metric)."""
+    import statistics
+
+    from onenode.eval.run import _perplexity_stderr
+
+    rates = [1.0, 1.5, 0.5, 1.2, 0.8]
+    samples = [{"bits_per_byte": (-r * 100, 100), "word_perplexity": (-r * 100, 100)} for r in rates]
+    expected = statistics.stdev(rates) / math.sqrt(len(rates))
+    assert math.isclose(_perplexity_stderr(samples, "bits_per_byte"), expected / math.log(2))
+    assert math.isclose(_perplexity_stderr(samples, "word_perplexity"), math.exp(1.0) * math.sinh(expected))
+    assert _perplexity_stderr(samples[:1], "bits_per_byte") is None
+
+
 @pytest.mark.slow  # trains the reference run once (cached), then three lm-eval passes
 def test_trained_beats_untrained_and_routes_agree(checkpoints, suite, tmp_path):
     pytest.importorskip("lm_eval")
@@ -112,6 +127,7 @@ def test_trained_beats_untrained_and_routes_agree(checkpoints, suite, tmp_path):
     assert ours["tasks"]["onenode_heldout"]["bits_per_byte"] < fresh["tasks"]["onenode_heldout"]["bits_per_byte"]
     assert ours["heldout"]["loss"] < fresh["heldout"]["loss"]
     assert math.isclose(ours["heldout"]["perplexity"], math.exp(ours["heldout"]["loss"]))
+    assert all(entry["stderr"] > 0 for entry in ours["headline"].values())  # every figure with its error
 
     hf = evaluate(trained, route="hf", **common)
     for task, metrics in ours["tasks"].items():

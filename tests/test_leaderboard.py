@@ -46,6 +46,7 @@ def cohorts(tmp_path):
         board = [{"name": "onenode_order acc", "value": acc}, {"name": "onenode_cloze acc_norm", "value": acc / 3},
                  {"name": "val loss", "value": 5 - acc, "order": "asc"}]
         extra = {"assignment": "A2", "profile": "cpu-tiny", "seed": 1234, "numbers": {"verified": verified},
+                 "stderr": {"onenode_order acc": 0.031, "onenode_cloze acc_norm": 0.02},
                  "run": {"parameters": {"total": 190000, "active": 150000}, "tokens_seen": 24576,
                          "optimizer": "adamw", "data": "solutions/a2/data.yaml"}}
         metrics = [{"step": s, "tokens": 512 * s, "loss": 6.2 - acc * s / 10} for s in range(1, 11)]
@@ -88,6 +89,7 @@ def test_site_has_both_tables_local_links_and_plots(cohorts, tmp_path, capsys):
     assert page.index("fast-team") < page.index("slow-team")  # best score first
     markdown = (site / "leaderboard.md").read_text()
     assert "| good-run | 42.5 | yes | 190,000 | 150,000 |" in markdown
+    assert "| 0.9 ± 0.031 | 0.3 ± 0.02 | 4.1 |" in markdown  # every benchmark with its standard error
     assert "| bad-run | 0 | no |" in markdown
 
 

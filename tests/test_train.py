@@ -1,5 +1,6 @@
-"""The A2 trainer on CPU: token budget, falling loss, exact resume, Muon, MoE balancing,
-checkpoint errors, sweeps, and FSDP on two gloo processes matching one process."""
+"""The A2 trainer on CPU: token budget, falling loss, exact resume, the checkpoint chain from the
+seeded initialisation, checkpoint errors and files that would run code, Muon, MoE balancing,
+sweeps, and FSDP on two gloo processes matching one process."""
 
 import json
 from pathlib import Path
@@ -11,7 +12,7 @@ from onenode.cli import main
 from onenode.model import build_model, get_preset
 from onenode.parallel.layers import apply_activation_checkpointing
 from onenode.train.balance import RouterBalancer
-from onenode.train.checkpoint import CheckpointError
+from onenode.train.checkpoint import CheckpointError, full_model_state_dict, weights_sha256
 from onenode.train.logging import read_metrics
 from onenode.train.optim import OptimizerList, is_muon_param
 from onenode.train.recipe import load_recipe
@@ -100,6 +101,52 @@ def test_stop_and_resume_matches_uninterrupted_run(tmp_path):
     for a, b in zip(straight.parallel.model.state_dict().values(), resumed.parallel.model.state_dict().values()):
         assert torch.equal(a, b)
     assert [r["step"] for r in read_metrics(tmp_path / "b") if "loss" in r] == list(range(1, 7))
+
+
+def test_checkpoints_chain_from_the_seeded_initialisation_to_the_export(tmp_path):
+    import onenode
+
+    recipe = _small(**{"checkpoint.every_steps": 2, "checkpoint.keep_last": 0})
+    Trainer(recipe, tmp_path, resume=None).fit(stop_after_steps=4)
+    Trainer(recipe, tmp_path, resume="auto").fit()  # a resumed run continues the chain
+    metas = [json.loads(p.read_text()) for p in sorted((tmp_path / "checkpoints").glob("step_*/meta.json"))]
+    assert [m["step"] for m in metas] == [0, 2, 4, 6]
+    init = build_model(recipe.model_config(), seed=recipe.seed)
+    assert metas[0]["weights_sha256"] == weights_sha256(full_model_state_dict(init)) and metas[0]["previous"] is None
+    for before, meta in zip(metas, metas[1:]):
+        assert meta["previous"] == {"step": before["step"], "weights_sha256": before["weights_sha256"]}
+        assert meta["training_sha256"] == recipe.training_sha256 and meta["seed"] == recipe.seed
+        assert meta["layout"] == {"world_size": 1, "dp": 1, "ep": 1, "pp": 1, "micro_batch_size": 2,
+                                  "accumulation": 2, "device": "cpu", "threads": 1}
+        assert meta["loader"]["batches"] == meta["step"] * 2 and meta["versions"]["torch"] == torch.__version__
+    exported = onenode.load_pretrained(tmp_path / "final")
+    assert weights_sha256(full_model_state_dict(exported)) == metas[-1]["weights_sha256"]
+    other = recipe.with_overrides({"log.every_steps": 3, "data.path": "elsewhere", "checkpoint.every_steps": 1})
+    assert other.training_sha256 == recipe.training_sha256  # where data lives and what is logged do not count
+    assert recipe.with_overrides({"optimizer.lr": 1e-3}).training_sha256 != recipe.training_sha256
+
+
+def test_a_checkpoint_that_would_run_code_does_not_load(tmp_path):
+    """The trainer state and DCP's metadata are pickles: loading them runs no code from the file."""
+    import pickle
+
+    recipe = _small(**{"train.token_budget": 256})
+    Trainer(recipe, tmp_path, resume=None).fit()
+    checkpoint = tmp_path / "checkpoints" / "step_00000002"
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    for name in ("trainer_state_rank0.pt", ".metadata"):
+        original = (checkpoint / name).read_bytes()
+        (checkpoint / name).write_bytes(pickle.dumps(Payload()))
+        with pytest.raises(CheckpointError, match="is corrupt"):
+            Trainer(recipe, tmp_path, resume=str(checkpoint))
+        assert not marker.exists(), f"loading {name} ran code from it"
+        (checkpoint / name).write_bytes(original)
+    assert Trainer(recipe, tmp_path, resume=str(checkpoint)).step == 2
 
 
 def test_corrupt_or_incomplete_checkpoint_is_one_line(tmp_path):

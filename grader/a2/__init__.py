@@ -1,20 +1,25 @@
 """A2, pretraining within a token budget: audit a run, evaluate its checkpoint in the sandbox,
 score it against the course's baseline evaluated in the same job.
 
-An A2 submission is a folder (a run folder of `onenode train`, without `checkpoints/`):
+An A2 submission is a folder (the run folder of `onenode train`):
     final/            the model in the transformers layout + its tokenizer (tokenizer.json or
                       onenode_tokenizer.json) + run_manifest.json
+    checkpoints/      every checkpoint from step 0 (the chain the grader replays)
     recipe.yaml       the recipe it ran
     run_manifest.json tokens seen, steps, data-order digest, config, parameters
     metrics.jsonl     the training log
     report.ipynb      the report
-    data/manifest.json (optional; with the shards, the grader checks them for evaluation text)
+    data/             the data folder it trained on (manifest.json and the shards; none for
+                      synthetic tokens)
 
-Nothing of the submission runs: `intake.py` checks the folder, `audit.py` reads JSON, YAML and
-safetensors headers, `contamination.py` the submitted shards, and `evaluation.py` has the kit's
-own evaluation code read the weights inside `grader.sandbox`, because a checkpoint is untrusted
-input. `job.py` holds the suite and the baseline, `scoring.py` the points, `rubric.py` reads
-`a2_pretrain/rubric.toml`, `tables.py` makes its rows.
+Nothing of the submission's code runs: `intake.py` checks the folder, `audit.py` reads JSON,
+YAML and safetensors headers and hashes the shards, `replay.py` has the grader's pristine A2
+stack re-create the initialisation, hash every checkpoint, recompute the data order and replay
+spans of the run inside `grader.sandbox` (`replay_harness.py`), `contamination.py` scans the
+shards trained on, and `evaluation.py` has the kit's own evaluation code read the weights in the
+sandbox: checkpoints are untrusted input. `job.py` holds the suite, its text, the baseline and
+the A2 stack, `scoring.py` the points, `rubric.py` reads `a2_pretrain/rubric.toml`, `tables.py`
+makes its rows.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ __all__ = ["A2", "trained_run"]  # solutions/a2/make_reference.py trains the ref
 
 def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", default=None, help="baseline checkpoint folder (default: the profile's)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="grading seed: the spans of each run replayed (default: random, recorded in results)")
 
 
 def job_from_args(rubric: A2Rubric, profile: str, workdir: Path, args: argparse.Namespace) -> A2Job:
-    return new_job(rubric, profile, workdir, args.baseline)
+    return new_job(rubric, profile, workdir, args.baseline, args.seed)
 
 
 A2 = Assignment(

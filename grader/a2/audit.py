@@ -1,13 +1,19 @@
-"""The budget audit of an A2 run: do the manifest, the logs, the recipe and the checkpoint tell
-one story within the profile's token budget? It reads JSON, YAML and safetensors headers only."""
+"""The budget audit of an A2 run: do the checkpoint chain, the manifest, the logs, the recipe and
+the checkpoint tell one story within the profile's token budget, and are the shards the run
+trained on the submitted ones? It reads JSON, YAML and safetensors headers, and hashes the
+shards; what needs the weights themselves is the replay's (`replay.py`).
+
+The tokens trained follow from the chain: its last step x the recipe's global batch x sequence
+length, never from the group's own counters (which must agree, but decide nothing)."""
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .intake import A2Submission, read_json, read_metrics
+from .intake import A2Submission, Link, read_json, read_metrics
 
 
 @dataclass
@@ -58,16 +64,25 @@ def audit_run(sub: A2Submission, token_budget: int) -> list[Check]:
     except (RecipeError, OSError) as e:
         check("recipe", False, f"recipe.yaml does not load: {e}")
         return checks
+    chain_steps = sub.chain[-1].step if sub.chain else None
+    broken = chain_problem(sub.chain, recipe.training_sha256)
+    check("chain", broken is None, broken or f"{len(sub.chain)} checkpoints chained from step 0 to step {chain_steps}")
+    if chain_steps is None:
+        check("budget", False, "no checkpoint chain to count the tokens trained by: submit checkpoints/")
+    else:
+        trained = chain_steps * recipe.tokens_per_step
+        check("budget", trained <= token_budget and recipe.train.token_budget <= token_budget,
+              f"the chain runs {chain_steps:,} steps x {recipe.tokens_per_step:,} tokens = {trained:,} tokens; recipe "
+              f"budget {recipe.train.token_budget:,}; the profile's budget {token_budget:,}")
     seen, steps, per_step = manifest.get("tokens_seen"), manifest.get("steps"), manifest.get("tokens_per_step")
-    check("budget", isinstance(seen, int) and seen <= token_budget and recipe.train.token_budget <= token_budget,
-          f"tokens seen {seen:,} and recipe budget {recipe.train.token_budget:,} vs the profile's budget "
-          f"{token_budget:,}" if isinstance(seen, int) else "the manifest has no tokens_seen")
     check("finished", manifest.get("status") == "finished", f"manifest status {manifest.get('status')!r}")
     check("manifest arithmetic", per_step == recipe.tokens_per_step and isinstance(steps, int)
-          and seen == steps * per_step and manifest.get("token_budget") == recipe.train.token_budget
-          and manifest.get("data_tokens_served", seen) == seen,
+          and steps == chain_steps and seen == steps * per_step
+          and manifest.get("token_budget") == recipe.train.token_budget
+          and manifest.get("data_tokens_served") == seen,
           f"{steps} steps x {per_step} tokens = {seen} tokens seen (recipe: {recipe.tokens_per_step} tokens per step, "
-          f"budget {recipe.train.token_budget}); data loader served {manifest.get('data_tokens_served')}")
+          f"budget {recipe.train.token_budget}; chain: {chain_steps} steps); data loader served "
+          f"{manifest.get('data_tokens_served')}")
     logged = [r for r in records if isinstance(r, dict) and isinstance(r.get("step"), int)
               and isinstance(r.get("tokens"), int)]
     last = max(logged, key=lambda r: r["step"]) if logged else {}
@@ -95,3 +110,69 @@ def audit_run(sub: A2Submission, token_budget: int) -> list[Check]:
         check("final manifest", read_json(final_manifest) == manifest,
               "final/run_manifest.json and run_manifest.json agree")
     return checks
+
+
+def chain_problem(chain: list[Link], training_sha256: str) -> str | None:
+    """What breaks the chain from the seeded initialisation to the last checkpoint, or None:
+    step 0 first, each checkpoint naming the one before it (step and weights hash), every one
+    trained with the submitted recipe. Whether the hashes are the weights' is the replay's."""
+    if not chain:
+        return "no checkpoints/: submit every checkpoint of the run, from step 0 to the last"
+    for link in chain:
+        if link.step is None or link.path.name != f"step_{link.step:08d}":
+            return f"{link.path.name}/meta.json says step {link.meta.get('step')!r}"
+    first = chain[0]
+    if first.step != 0 or first.meta.get("previous") is not None:
+        return (f"the chain starts at {first.path.name}, not at step_00000000 (the seeded initialisation): "
+                "the run did not start from this recipe's initialisation")
+    for before, link in zip(chain, chain[1:]):
+        previous = link.meta.get("previous")
+        if previous != {"step": before.step, "weights_sha256": before.weights}:
+            named = (f"step {previous.get('step')} with weights {str(previous.get('weights_sha256'))[:12]}"
+                     if isinstance(previous, dict) else repr(previous))
+            return (f"{link.path.name} follows {named}, not {before.path.name} (weights {str(before.weights)[:12]}): "
+                    "the chain is broken (a checkpoint missing, or training continued from another one)")
+    other = next((link for link in chain if link.meta.get("training_sha256") != training_sha256), None)
+    if other is not None:
+        return (f"{other.path.name} was trained with another recipe than recipe.yaml (seed, model, data mixture, "
+                "train, optimizer, schedule, moe or parallel differ)")
+    return None
+
+
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def trained_shards(sub: A2Submission) -> tuple[dict[str, Path], Check]:
+    """The shards the run trained on, as its last checkpoint's loader names them (source ->
+    sha256), found in the submitted data/ and hashed here; and the check saying so. A run on
+    synthetic tokens trained on no shards."""
+    from onenode.data.shards import file_sha256
+
+    if not sub.chain:
+        return {}, Check("data", False, "no checkpoints: they name the data the run trained on")
+    loader = sub.chain[-1].meta.get("loader")
+    settings = loader.get("settings") if isinstance(loader, dict) else None
+    if not isinstance(settings, dict) or not isinstance(settings.get("shards"), dict):
+        synthetic = isinstance(loader, dict) and "batches" in loader
+        return {}, Check("data", synthetic, "synthetic tokens: no shards to check" if synthetic
+                         else f"{sub.chain[-1].path.name}/meta.json names no data the run trained on")
+    named = settings["shards"]
+    if sub.data is None:
+        return {}, Check("data", False, f"the run trained on the shards of {', '.join(sorted(named))}: submit the data "
+                                        "folder it trained on as data/ (manifest.json and each <source>/train.bin)")
+    manifest = read_json(sub.data / "manifest.json")
+    tokenizer = (manifest.get("tokenizer") or {}).get("sha256")
+    if tokenizer != settings.get("tokenizer"):
+        return {}, Check("data", False, "data/manifest.json's tokenizer is not the one the run trained with")
+    shards = {}
+    for name, sha in sorted(named.items()):
+        path = sub.data / name / "train.bin"
+        if not _SOURCE_NAME.fullmatch(name) or not path.is_file():
+            return {}, Check("data", False, f"data/{name}/train.bin is missing: the run trained on it")
+        found = file_sha256(path)
+        if found != sha:
+            return {}, Check("data", False, f"data/{name}/train.bin (sha256 {found[:12]}) is not the shard the run "
+                                            f"trained on ({str(sha)[:12]}): it trained on other data than submitted")
+        shards[name] = path
+    return shards, Check("data", True, f"the {len(shards)} shards the run trained on are the submitted ones "
+                                       "(hashes recomputed)")

@@ -1,29 +1,144 @@
-"""Submitted training data that contains the evaluation text."""
+"""Evaluation text in the data a run trained on, on every profile.
+
+The shards scanned are the ones the run's checkpoints name, verified by hash (`audit.trained_shards`);
+the evaluation text is every item of the profile's suite (`onenode.eval.suite.suite_texts`),
+tokenized with the data's own tokenizer. A training document is flagged when it shares with it
+a run of as many tokens as 13 words take (13 x the evaluation text's tokens per word: 17 for
+GPT-2's BPE, about 35 for a 512-token one): the data pipeline's 13-word rule, on token ids so
+that billions of tokens scan in minutes: vectorised rolling hashes over the memory-mapped shards (nothing decoded), a
+table of the wanted hashes' top bits in front of the exact lookup, chunks spread over the
+profile's CPU threads.
+"""
 
 from __future__ import annotations
 
+from concurrent.futures import ProcessPoolExecutor
+from functools import cache
 from pathlib import Path
 
+import numpy as np
+
 from .audit import Check
-from .intake import A2Submission
+from .intake import A2Submission, read_json
+
+NGRAM_WORDS = 13  # the data pipeline's `decontaminate` n-gram, in words
+CHUNK_TOKENS = 1 << 22  # tokens hashed at a time (a few hundred MB of temporaries)
+_BASE = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
+_TABLE_BITS = 26  # the lookup table: one byte per value of a hash's top 26 bits (64 MiB)
 
 
-def contamination(sub: A2Submission, suite_dir: Path) -> Check | None:
-    """Training documents of the submitted data that share a 13-gram with the evaluation text
-    (the data pipeline's own decontamination filter); None when no shards were submitted."""
-    from onenode.data.curation import Decontaminate, read_eval_texts
-    from onenode.data.shards import open_shards
-    from onenode.eval.model import checkpoint_tokenizer
+def _powers(base: int, count: int) -> np.ndarray:
+    """base**0 .. base**(count - 1) modulo 2**64."""
+    out = np.empty(count, dtype=np.uint64)
+    out[0] = 1
+    if count > 1:
+        out[1:] = np.cumprod(np.full(count - 1, base, dtype=np.uint64))  # uint64 products wrap modulo 2**64
+    return out
 
-    if sub.data is None:
-        return None
-    try:
-        _, shards = open_shards(sub.data, "train")
-    except (FileNotFoundError, ValueError):
-        return None  # a manifest alone: nothing to check against
-    tokenizer = checkpoint_tokenizer(sub.checkpoint)
-    filt = Decontaminate(read_eval_texts([suite_dir / "onenode_heldout.jsonl"]))
-    flagged = sum(not filt.keep(tokenizer.decode(s.document(i).tolist()))
-                  for s in shards.values() for i in range(s.num_docs))
-    return Check("contamination", flagged == 0, f"{flagged} of {filt.seen} training documents share a 13-word "
-                                                f"sequence with the evaluation text")
+
+@cache
+def _power_tables(count: int) -> tuple[np.ndarray, np.ndarray]:
+    """B**i and B**-i for i < count."""
+    return _powers(_BASE, count), _powers(pow(_BASE, -1, 2**64), count)
+
+
+def ngram_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
+    """A 64-bit polynomial hash of each of the len(tokens) - n + 1 runs of n consecutive tokens:
+    prefix sums of t_i * B**i, differenced and shifted back by B**-i (arithmetic modulo 2**64)."""
+    count = len(tokens) - n + 1
+    if count <= 0:
+        return np.empty(0, dtype=np.uint64)
+    up, down = _power_tables(max(CHUNK_TOKENS + n, len(tokens)))
+    prefix = np.zeros(len(tokens) + 1, dtype=np.uint64)
+    np.cumsum(np.asarray(tokens, dtype=np.uint64) * up[:len(tokens)], out=prefix[1:])
+    return (prefix[n:] - prefix[:count]) * down[:count]
+
+
+class _Wanted:
+    """The evaluation text's hashes, sorted, behind a table of their top bits (most training
+    hashes stop at the table; the rest are looked up exactly)."""
+
+    shift = np.uint64(64 - _TABLE_BITS)
+
+    def __init__(self, hashes: np.ndarray):
+        self.hashes = np.unique(hashes)
+        self.table = np.zeros(1 << _TABLE_BITS, dtype=bool)
+        self.table[self.hashes >> self.shift] = True
+
+    def positions(self, hashes: np.ndarray) -> np.ndarray:
+        """Where in `hashes` a wanted one is."""
+        candidates = np.flatnonzero(self.table[hashes >> self.shift])
+        at = np.minimum(np.searchsorted(self.hashes, hashes[candidates]), len(self.hashes) - 1)
+        return candidates[self.hashes[at] == hashes[candidates]]
+
+
+_wanted: _Wanted | None = None  # a scanning process's copy (set by _start_worker)
+
+
+def _start_worker(wanted: _Wanted) -> None:
+    global _wanted
+    _wanted = wanted
+
+
+@cache
+def _shard(prefix: Path, dtype: str):
+    from onenode.data.shards import Shard
+
+    return Shard(prefix, np.dtype(dtype))
+
+
+def _scan(task: tuple[Path, str, int, int]) -> np.ndarray:
+    """The documents of one chunk of a shard (from token `start`) that hold a wanted run of n tokens."""
+    prefix, dtype, n, start = task
+    shard = _shard(prefix, dtype)
+    hits = _wanted.positions(ngram_hashes(shard.tokens[start:start + CHUNK_TOKENS + n - 1], n)) + start
+    return np.unique(np.searchsorted(shard.offsets, hits, side="right") - 1)
+
+
+def flagged_documents(shards: dict[str, Path], dtype: str, wanted: np.ndarray, n: int,
+                      workers: int = 1) -> dict[str, int]:
+    """Per source, how many of its documents hold a run of `n` tokens whose hash is in `wanted`."""
+    tasks = [(name, (path.with_suffix(""), dtype, n, start)) for name, path in shards.items()
+             for start in range(0, max(len(_shard(path.with_suffix(""), dtype).tokens) - n + 1, 0), CHUNK_TOKENS)]
+    state = _Wanted(wanted)
+    if workers > 1 and len(tasks) > 1:
+        with ProcessPoolExecutor(workers, initializer=_start_worker, initargs=(state,)) as pool:
+            found = list(pool.map(_scan, [task for _, task in tasks]))
+    else:
+        _start_worker(state)
+        found = [_scan(task) for _, task in tasks]
+    documents: dict[str, set] = {name: set() for name in shards}
+    for (name, _), docs in zip(tasks, found):
+        documents[name].update(docs.tolist())
+    return {name: len(docs) for name, docs in documents.items()}
+
+
+def data_tokenizer(data: Path):
+    """The tokenizer the shards were built with: data/tokenizer.json, or the one the manifest names."""
+    from onenode.data.tokenizer import load_tokenizer
+
+    own = data / "tokenizer.json"
+    return load_tokenizer(str(own) if own.is_file() else read_json(data / "manifest.json")["tokenizer"]["name"])
+
+
+def contamination(sub: A2Submission, shards: dict[str, Path], eval_texts: list[str], workers: int = 1) -> Check:
+    """Training documents of the shards the run trained on that share 13 words' worth of tokens
+    with the evaluation text; `shards` as `audit.trained_shards` verified them (none: synthetic)."""
+    from onenode.data.shards import Shard
+
+    if not shards:
+        return Check("contamination", True, "no text trained on (synthetic tokens)")
+    manifest = read_json(sub.data / "manifest.json")
+    tokenizer = data_tokenizer(sub.data)
+    if tokenizer.content_hash() != manifest["tokenizer"]["sha256"]:
+        return Check("contamination", False, "data/ holds another tokenizer than the one its shards were built with")
+    encoded = tokenizer.encode_batch(eval_texts)
+    words = sum(len(text.split()) for text in eval_texts)
+    n = max(NGRAM_WORDS, round(NGRAM_WORDS * sum(map(len, encoded)) / max(words, 1)))
+    wanted = np.concatenate([ngram_hashes(np.asarray(ids), n) for ids in encoded] + [np.empty(0, dtype=np.uint64)])
+    flagged = flagged_documents(shards, manifest["dtype"], wanted, n, workers) if len(wanted) else {}
+    total = sum(Shard(path.with_suffix(""), np.dtype(manifest["dtype"])).num_docs for path in shards.values())
+    sources = ", ".join(f"{name}: {count}" for name, count in sorted(flagged.items(), key=lambda x: -x[1]) if count)
+    return Check("contamination", not sources,
+                 f"{sum(flagged.values())} of {total} training documents share {NGRAM_WORDS} words ({n} tokens) "
+                 "with the evaluation text" + (f" ({sources})" if sources else ""))

@@ -1,10 +1,12 @@
 """Evaluating a checkpoint: the kit's own `onenode eval` reads its weights inside
 `grader.sandbox` (no network, memory, time and file limits), because a checkpoint is untrusted
-input; the offline suite the evaluation runs on is built here too."""
+input; the offline suite the evaluation runs on is built here too, and the suite's text that
+the contamination check looks for is read here."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -13,7 +15,7 @@ from ..rubric import KIT_ROOT
 from ..sandbox import Limits, SandboxError, make_scratch, run_sandboxed
 from .rubric import A2Profile
 
-SUITE_SEED = 1234  # the offline suite's items: the same for every job, recorded as the results' seed
+SUITE_SEED = 1234  # the offline suite's items: the same for every job (the job's own seed picks replayed spans)
 
 
 def evaluate_sandboxed(checkpoint: Path, profile: A2Profile, suite_dir: Path | None, logs: Path,
@@ -40,7 +42,8 @@ def evaluate_sandboxed(checkpoint: Path, profile: A2Profile, suite_dir: Path | N
         limits = Limits(wall_s=profile.timeout_s, cpu_s=profile.timeout_s * max(1, profile.threads),
                         memory_mb=profile.memory_mb or None, nproc=512)
         try:
-            result = run_sandboxed(argv, cwd=scratch, env=env, limits=limits)
+            result = run_sandboxed(argv, cwd=scratch, env=env, limits=limits,
+                                   readable=[profile.hf_home] if profile.hf_home else ())
         except SandboxError as e:
             return None, f"sandbox: {e}"
         log = (result.stdout + b"\n" + result.stderr).decode("utf-8", errors="replace")
@@ -73,3 +76,15 @@ def build_suite(folder: Path) -> Path:
     passages = [json.loads(line)["text"] for line in (folder / "onenode_heldout.jsonl").read_text().splitlines()]
     (folder / "heldout.txt").write_text("\n\n".join(passages) + "\n", encoding="utf-8")
     return folder
+
+
+def suite_texts(profile: A2Profile, suite_dir: Path | None) -> list[str]:
+    """Every text of the profile's suite (`onenode.eval.suite.suite_texts`): the grader's own
+    offline suite, or lm-eval's datasets cached under the profile's hf_home (read offline; set
+    before this process first imports `datasets`)."""
+    from onenode.eval.suite import suite_texts as texts_of
+
+    os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    if profile.hf_home:
+        os.environ["HF_HOME"] = profile.hf_home
+    return texts_of(profile.suite, suite_dir)

@@ -1,5 +1,5 @@
 """An A2 submission: a run folder of `onenode train`, checked for what grading needs. Nothing of
-it runs; its JSON files are read here."""
+it runs; its JSON files are read here, the checkpoints' meta.json (the chain) among them."""
 
 from __future__ import annotations
 
@@ -13,6 +13,23 @@ CHECKPOINT_DIRS = ("final", "checkpoint")
 
 
 @dataclass
+class Link:
+    """One checkpoint of the run's chain: its step_* folder and its meta.json (as submitted)."""
+
+    path: Path
+    meta: dict
+
+    @property
+    def step(self) -> int | None:
+        step = self.meta.get("step")
+        return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+    @property
+    def weights(self) -> str | None:
+        return self.meta.get("weights_sha256")
+
+
+@dataclass
 class A2Submission:
     name: str
     root: Path
@@ -22,6 +39,7 @@ class A2Submission:
     metrics: Path
     notebook: Path | None
     data: Path | None
+    chain: list[Link]  # the complete checkpoints (with meta.json), oldest first
 
 
 def load_submission(path: str | Path) -> A2Submission:
@@ -44,7 +62,13 @@ def load_submission(path: str | Path) -> A2Submission:
     data = root / "data"
     return A2Submission(root.name, root, checkpoint, found["recipe.yaml"], found["run_manifest.json"],
                         found["metrics.jsonl"], notebook if notebook.is_file() else None,
-                        data if (data / "manifest.json").is_file() else None)
+                        data if (data / "manifest.json").is_file() else None, read_chain(root / "checkpoints"))
+
+
+def read_chain(folder: Path) -> list[Link]:
+    """The complete checkpoints under `folder` (those with meta.json), by step, oldest first."""
+    links = [Link(path.parent, read_json(path)) for path in folder.glob("step_*/meta.json")] if folder.is_dir() else []
+    return sorted(links, key=lambda link: (link.step is None, link.step or 0, link.path.name))
 
 
 def read_json(path: Path) -> dict:

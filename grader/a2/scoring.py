@@ -11,16 +11,41 @@ from pathlib import Path
 from ..assignment import Graded
 from ..report import test_entry
 from ..rubric import tier_share
-from .audit import Check, audit_run
+from .audit import Check, audit_run, trained_shards
 from .contamination import contamination
 from .evaluation import evaluate_sandboxed
 from .intake import A2Submission, load_submission, read_json
 from .job import A2Job
+from .replay import replay_checks
 from .rubric import TITLES
 
 
+def margin_in_stderr(entry: dict, ref: dict) -> float:
+    """The margin over the baseline in standard errors of the difference (positive: better):
+    accuracy for benchmarks, log perplexity for perplexity; each side's error from its report
+    (lm-eval's, or `onenode.eval.run`'s for perplexity), the two independent."""
+    value, base = entry["value"], ref["value"]
+    error, base_error = entry.get("stderr") or 0.0, ref.get("stderr") or 0.0
+    if entry["higher_is_better"]:
+        margin, spread = value - base, math.hypot(error, base_error)
+    elif value > 0 and base > 0:
+        margin, spread = math.log(base / value), math.hypot(error / value, base_error / base)
+    else:
+        return -math.inf
+    if spread > 0:
+        return margin / spread
+    return math.copysign(math.inf, margin) if margin else 0.0
+
+
+def _shown(entry: dict) -> str:
+    error = entry.get("stderr")
+    return f"{entry['value']:.4g}" + (f" ± {error:.2g}" if error is not None else "")
+
+
 def score(job: A2Job, checks: list[Check], report: dict | None, error: str | None) -> Graded:
-    """Tests and leaderboard entries from the audit and the evaluation, against the baseline."""
+    """Tests and leaderboard entries from the audit and the evaluation, against the baseline.
+    A task's share is the tier its margin reaches in standard errors of the difference
+    (`margin_tiers`), so a difference inside the evaluation's noise cannot move the points."""
     points, profile = job.rubric.points, job.profile
     res = Graded()
     verified = bool(checks) and all(c.ok for c in checks)
@@ -35,29 +60,27 @@ def score(job: A2Job, checks: list[Check], report: dict | None, error: str | Non
         return res
     base = job.baseline
     gate = "" if verified else " (no points: the run is not verified)"
+    tiers = ", ".join(f">= {t:+g} -> {s:.0%}" for t, s in profile.margin_tiers)
     choice_tasks = [t for t, e in report["headline"].items() if e["higher_is_better"]]
     per_task = points["benchmarks"] / max(1, len(choice_tasks))
+    stderr = res.facts.setdefault("stderr", {})
     for task, entry in report["headline"].items():
-        value, ref = entry["value"], base["headline"].get(task, {}).get("value")
-        res.numbers[task] = value
-        res.leaderboard.append({"name": f"{task} {entry['metric']}", "value": _round(value),
+        ref = base["headline"].get(task, {})
+        name = f"{task} {entry['metric']}"
+        res.numbers[task] = entry["value"]
+        res.leaderboard.append({"name": name, "value": _round(entry["value"]),
                                 **({} if entry["higher_is_better"] else {"order": "asc"})})
-        if value is None or ref is None:
-            earned, line = 0.0, f"{task}: no score"
-        elif entry["higher_is_better"]:
-            earned = per_task * tier_share(profile.benchmark_tiers, value - ref)
-            line = f"{task} {entry['metric']} {value:.4f} vs baseline {ref:.4f} ({value - ref:+.4f})"
+        stderr[name] = _round(entry.get("stderr"))
+        key, most = ("benchmarks", per_task) if entry["higher_is_better"] else ("heldout", points["heldout"])
+        if entry["value"] is None or ref.get("value") is None:
+            earned, line = 0.0, f"{name}: no score"
         else:
-            ratio = ref / value if value > 0 else 0.0
-            earned = points["heldout"] * tier_share(profile.heldout_tiers, ratio)
-            res.tests.append(test_entry(TITLES["heldout"], earned if verified else 0, points["heldout"],
-                                        f"{task} {entry['metric']} {value:.3f} vs baseline {ref:.3f} "
-                                        f"(baseline/yours {ratio:.3f}; tiers "
-                                        + ", ".join(f">= {t:g} -> {s:.0%}" for t, s in profile.heldout_tiers)
-                                        + f"){gate}", "heldout"))
-            continue
-        res.tests.append(test_entry(f"Benchmark: {task}", earned if verified else 0, per_task, line + gate,
-                                    "benchmarks"))
+            z = margin_in_stderr(entry, ref)
+            earned = most * tier_share(profile.margin_tiers, z)
+            line = (f"{name} {_shown(entry)} vs baseline {_shown(ref)}: {z:+.2f} standard errors of the "
+                    f"difference (tiers {tiers})")
+        title = f"Benchmark: {task}" if key == "benchmarks" else TITLES["heldout"]
+        res.tests.append(test_entry(title, earned if verified else 0, most, line + gate, key))
     heldout = report.get("heldout")
     if heldout:
         res.numbers.update(val_loss=heldout["loss"], val_ppl=heldout["perplexity"])
@@ -90,20 +113,30 @@ def run_facts(sub: A2Submission) -> dict:
             "pattern": manifest.get("model_config", {}).get("hybrid_override_pattern")}
 
 
-def grade(job: A2Job, path: Path, work: Path, logs: Path) -> Graded:
-    """Audit, contamination, sandboxed evaluation against the baseline, the notebook. Nothing of
-    the submission runs, so it needs no scratch folder (`work`)."""
-    sub = load_submission(path)
+def verify(job: A2Job, sub: A2Submission, logs: Path, threads: int | None = None) -> tuple[list[Check], dict]:
+    """Every check that makes a run verified, and what the replay cost: the audit (chain,
+    budget by the chain, manifest, logs, checkpoint), the shards trained on (hashed), the replay
+    (initialisation, weights, final weights, data order, spans), contamination of the shards."""
     checks = audit_run(sub, job.profile.token_budget)
-    if job.suite_dir is not None:
-        found = contamination(sub, job.suite_dir)
-        if found is not None:
-            checks.append(found)
+    shards, data = trained_shards(sub)
+    replayed, cost = replay_checks(sub, job.profile, job.stack, f"{job.seed}:{sub.name}", logs, threads)
+    checks += [data, *replayed]
+    checks.append(contamination(sub, shards, job.evaluation_text(), job.profile.threads) if data.ok else
+                  Check("contamination", False, "not checked: the data trained on is not verified (see data)"))
+    return checks, cost
+
+
+def grade(job: A2Job, path: Path, work: Path, logs: Path) -> Graded:
+    """Verification, sandboxed evaluation against the baseline, the notebook. Nothing of the
+    submission's code runs, so it needs no scratch folder (`work`)."""
+    sub = load_submission(path)
+    checks, cost = verify(job, sub, logs)
     report, error = evaluate_sandboxed(sub.checkpoint, job.profile, job.suite_dir, logs, "submission")
     graded = score(job, checks, report, error)
+    graded.numbers.update(cost)
     if report is not None:
         (logs / "eval-report.json").write_text(json.dumps(report, indent=2) + "\n")
     graded.tests += grade_notebook(sub.notebook, logs)
     shutil.copy2(sub.metrics, logs / "metrics.jsonl")  # the leaderboard's loss curve
-    graded.facts = {"run": run_facts(sub), "audit": [c.__dict__ for c in checks]}
+    graded.facts.update(run=run_facts(sub), audit=[c.__dict__ for c in checks])
     return graded

@@ -9,10 +9,19 @@ from pathlib import Path
 from ..leaderboard import Entry, number, save_plot
 
 
+def _stderr(results: dict, name: str) -> float | None:
+    """The standard error the grader recorded beside a leaderboard entry (benchmarks, perplexity)."""
+    return results["extra_data"].get("stderr", {}).get(name)
+
+
 def csv_columns(results: dict) -> dict:
-    """Whether the run is verified, then its leaderboard entries."""
-    return {"verified": results["extra_data"].get("numbers", {}).get("verified", False),
-            **{e["name"]: e["value"] for e in results["leaderboard"]}}
+    """Whether the run is verified, then its leaderboard entries, each with its standard error."""
+    columns = {"verified": results["extra_data"].get("numbers", {}).get("verified", False)}
+    for e in results["leaderboard"]:
+        columns[e["name"]] = e["value"]
+        if _stderr(results, e["name"]) is not None:
+            columns[f"{e['name']} stderr"] = _stderr(results, e["name"])
+    return columns
 
 
 def table(rows: list[dict]) -> list[list[str]]:
@@ -38,13 +47,17 @@ FACTS = [  # (header, how to read it from a results.json, format)
 
 
 def leaderboard_columns(entries: list[Entry]) -> list[tuple]:
-    """The run's facts, then one column per leaderboard entry the grader recorded."""
+    """The run's facts, then one column per leaderboard entry the grader recorded, ± its standard
+    error where the evaluation gave one."""
     names = list(dict.fromkeys(e["name"] for entry in entries for e in entry.results["leaderboard"]))
 
     def reader(name):
         return lambda r: next((e["value"] for e in r["leaderboard"] if e["name"] == name), None)
 
-    return FACTS + [(name, reader(name), "{:.4g}") for name in names]
+    def spread(name):
+        return lambda r: _stderr(r, name)
+
+    return FACTS + [(name, reader(name), "{:.4g}", spread(name)) for name in names]
 
 
 def plot_benchmarks(entries: list[Entry], path: Path, plt) -> bool:

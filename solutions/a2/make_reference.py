@@ -9,9 +9,12 @@ trained here, once per content (cached under $ONENODE_CACHE/a2-runs/).
 
 The example cohort (for the demo and for calibrating the grader):
 - `reference`: this recipe, within the cpu-tiny budget: verified, beats the baseline;
-- `untrained`: the reference's run with the weights of a fresh initialisation: verified, loses;
+- `untrained`: the reference's run with the weights of a fresh initialisation in final/: not
+  verified (final/ is not the chain's last checkpoint), loses;
 - `over-budget`: the reference resumed and trained on past the profile's budget: evaluated, not verified;
 - `manifest-mismatch`: the reference with a manifest claiming another model: not verified.
+A submission is the run folder with its checkpoints (the chain the grader replays) and the data
+folder it trained on.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +30,7 @@ KIT_ROOT = HERE.parents[1]
 RECIPE = HERE / "recipe.yaml"
 NOTEBOOK = KIT_ROOT / "assignments" / "source" / "a2" / "report.ipynb"  # the completed report (nbgrader source)
 RUN_FILES = ("recipe.yaml", "run_manifest.json", "metrics.jsonl")
+RUN_FOLDERS = ("final", "checkpoints")
 OVER_BUDGET = {"train.token_budget": 32768}  # 16 steps more than the cpu-tiny budget of 24,576 tokens
 
 if str(KIT_ROOT) not in sys.path:
@@ -35,23 +38,26 @@ if str(KIT_ROOT) not in sys.path:
 
 
 def make_submission(dest: str | Path, with_data: bool = True) -> Path:
-    """The reference submission at `dest`: the run's final/, recipe, manifest, log, the report,
-    and (with_data) the data folder it trained on, so the grader can check it for evaluation text."""
+    """The reference submission at `dest` (see `assemble`)."""
     from grader.a2 import trained_run
 
-    return _assemble(trained_run(RECIPE), Path(dest), with_data)
+    return assemble(trained_run(RECIPE), Path(dest), with_data)
 
 
-def _assemble(run: Path, dest: Path, with_data: bool) -> Path:
+def assemble(run: Path, dest: Path, with_data: bool = True) -> Path:
+    """A submission at `dest` from a run folder: its final/, checkpoints/, recipe, manifest and
+    log, the report, and (with_data) the data folder it trained on, which the grader replays the
+    run on and checks for evaluation text."""
     from onenode.eval.model import recipe_data_dir
     from onenode.train.recipe import load_recipe
 
     shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(run / "final", dest / "final")
+    for name in RUN_FOLDERS:
+        shutil.copytree(run / name, dest / name)
     for name in RUN_FILES:
         shutil.copy2(run / name, dest / name)
     shutil.copy2(NOTEBOOK, dest / "report.ipynb")
-    data = recipe_data_dir(load_recipe(RECIPE), KIT_ROOT)
+    data = recipe_data_dir(load_recipe(run / "recipe.yaml"), KIT_ROOT)
     if with_data and data is not None:
         shutil.copytree(data, dest / "data", ignore=shutil.ignore_patterns("text"))
     return dest
@@ -61,21 +67,21 @@ def make_over_budget(dest: str | Path) -> Path:
     """The reference run resumed from its last checkpoint and trained on to a larger budget: a
     real run, internally consistent, past the profile's budget."""
     from grader.a2 import trained_run
+    from grader.a2.job import train_on_stack
 
     dest = Path(dest)
     run = dest.with_name(f".{dest.name}-run")
     shutil.rmtree(run, ignore_errors=True)
     shutil.copytree(trained_run(RECIPE), run, ignore=shutil.ignore_patterns("final"))
-    sets = [f"--set={k}={v}" for k, v in OVER_BUDGET.items()]
-    subprocess.run([sys.executable, "-m", "onenode.cli", "train", str(RECIPE), "--out", str(run), *sets],
-                   cwd=KIT_ROOT, check=True, capture_output=True)
-    _assemble(run, dest, with_data=False)
+    train_on_stack(RECIPE, run, OVER_BUDGET)
+    assemble(run, dest, with_data=False)
     shutil.rmtree(run)
     return dest
 
 
 def make_untrained(reference: Path, dest: Path) -> Path:
-    """The reference run with freshly initialised weights (same config, same files otherwise)."""
+    """The reference run with freshly initialised weights in final/ (same config, same files
+    otherwise): final/ is no longer the chain's last checkpoint."""
     from onenode.model import build_model
     from onenode.model.config import NemotronHConfig
 

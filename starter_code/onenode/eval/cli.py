@@ -52,9 +52,9 @@ def summary(report: dict) -> str:
     lines = [f"{report['checkpoint']} ({report['route']} route, suite {report['suite']}"
              + (f", limit {report['limit']}" if report["limit"] else "") + ")"]
     for task, entry in report["headline"].items():
-        value = entry["value"]
-        lines.append(f"  {task:<20} {entry['metric']:<16} {value:.4f}" if value is not None
-                     else f"  {task:<20} {entry['metric']:<16} -")
+        value, stderr = entry["value"], entry.get("stderr")
+        shown = "-" if value is None else f"{value:.4f}" + (f" ± {stderr:.4f}" if stderr is not None else "")
+        lines.append(f"  {task:<20} {entry['metric']:<16} {shown}")
     if report["heldout"]:
         h = report["heldout"]
         lines.append(f"  held-out loss {h['loss']:.4f}, perplexity {h['perplexity']:.2f} over {h['tokens']:,} tokens")

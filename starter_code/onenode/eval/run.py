@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -32,12 +33,31 @@ def build_lm(checkpoint: str | Path, route: str = "onenode", batch_size: int = 1
 
 
 def _task_metrics(results: dict) -> dict[str, dict[str, float]]:
-    """lm-eval's {"task": {"acc,none": x, "acc_stderr,none": s, ...}} -> {"task": {"acc": x}}."""
+    """lm-eval's {"task": {"acc,none": x, "acc_stderr,none": s, ...}} -> {"task": {"acc": x, "acc_stderr": s}}
+    (a standard error lm-eval could not compute, "N/A", is left out)."""
     metrics = {}
     for task, values in results.items():
         metrics[task] = {key.split(",")[0]: float(v) for key, v in values.items()
-                         if "," in key and "_stderr" not in key and isinstance(v, (int, float))}
+                         if "," in key and isinstance(v, (int, float)) and not isinstance(v, bool)}
     return metrics
+
+
+_PERPLEXITIES = {"word_perplexity": math.exp, "byte_perplexity": math.exp, "bits_per_byte": lambda r: r / math.log(2)}
+
+
+def _perplexity_stderr(samples: list[dict], metric: str) -> float | None:
+    """The standard error of a perplexity metric, which lm-eval does not give: each document
+    holds (loglikelihood, units: words or bytes); the metric is f(rate), rate = -sum(ll) /
+    sum(units), and the rate's error is the ratio estimator's (delta method) over documents."""
+    pairs = [sample[metric] for sample in samples if metric in sample]
+    if len(pairs) < 2:
+        return None
+    units = sum(u for _, u in pairs)
+    rate = -sum(ll for ll, _ in pairs) / units
+    spread = sum((-ll - rate * u) ** 2 for ll, u in pairs) * len(pairs) / (len(pairs) - 1)
+    rate_stderr = math.sqrt(spread) / units
+    f = _PERPLEXITIES[metric]
+    return abs(f(rate + rate_stderr) - f(rate - rate_stderr)) / 2
 
 
 def evaluate(checkpoint: str | Path, suite: str = "offline", route: str = "onenode",
@@ -76,10 +96,18 @@ def evaluate(checkpoint: str | Path, suite: str = "offline", route: str = "oneno
     metrics: dict[str, dict[str, float]] = {}
     for shots in sorted({s.num_fewshot for s in specs}):
         names = [s.name for s in specs if s.num_fewshot == shots]
+        rolling = [s.name for s in specs if s.num_fewshot == shots and s.metric in _PERPLEXITIES]
+        # bootstrap_iters > 0: lm-eval's closed-form standard error of every mean (accuracies)
         out = lm_eval.simple_evaluate(model=lm, tasks=names, num_fewshot=shots, limit=limit, task_manager=manager,
-                                      log_samples=False, bootstrap_iters=0, verbosity="WARNING")
+                                      log_samples=bool(rolling), bootstrap_iters=1, verbosity="WARNING")
         metrics.update(_task_metrics(out["results"]))
+        for task in rolling:
+            for metric in _PERPLEXITIES:
+                stderr = _perplexity_stderr(out["samples"].get(task, []), metric)
+                if stderr is not None and task in metrics:
+                    metrics[task][f"{metric}_stderr"] = stderr
     headline = {s.name: {"metric": s.metric, "value": metrics.get(s.name, {}).get(s.metric),
+                         "stderr": metrics.get(s.name, {}).get(f"{s.metric}_stderr"),
                          "higher_is_better": s.higher_is_better} for s in specs}
     heldout = None
     if held_tokens is not None:

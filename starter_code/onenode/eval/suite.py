@@ -159,6 +159,33 @@ def build_offline_suite(out: str | Path, docs: list[str] | None = None, items: i
     return out
 
 
+def suite_texts(name: str, tasks_dir: str | Path | None = None) -> list[str]:
+    """Every text the suite's items show a model: each evaluation document's prompt with its
+    choices (multiple choice) or its target (perplexity), as lm-eval builds them from the task
+    definitions and datasets (`tasks_dir`: local task YAML, default for `offline`: the kit's).
+    What training data must not contain; the `decontaminate` curation step and the grader's
+    contamination check read it."""
+    from lm_eval.api.task import Task
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    include = tasks_dir or (offline_suite_dir() if name == "offline" else None)
+    manager = TaskManager(include_path=str(include)) if include else TaskManager()
+    texts: list[str] = []
+    pending = [get_task_dict([spec.name for spec in suite_tasks(name)], manager)]
+    while pending:  # groups (MMLU) hold their subtasks as nested dicts
+        for value in pending.pop().values():
+            if not isinstance(value, Task):
+                pending.append(value)
+                continue
+            for doc in value.eval_docs:
+                prompt = value.doc_to_text(doc)
+                if value.OUTPUT_TYPE == "multiple_choice":
+                    texts += [f"{prompt} {choice}" for choice in value.doc_to_choice(doc)]
+                else:
+                    texts.append(f"{prompt} {value.doc_to_target(doc)}")
+    return texts
+
+
 def offline_suite_dir() -> Path:
     """The offline suite, built once into $ONENODE_CACHE/eval/offline."""
     from ..data.corpus import cache_dir

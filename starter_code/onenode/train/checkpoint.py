@@ -5,15 +5,28 @@ One checkpoint is a folder `step_00000100/`:
   saved sharded and can be loaded into another layout);
 - `trainer_state_rank{r}.pt`: what is per rank and not a tensor of the model: the step, the tokens
   seen, the data loader's position and digest, the RNG states;
-- `meta.json`, written last by rank 0: its presence marks the checkpoint complete.
+- `meta.json`, written last by rank 0: its presence marks the checkpoint complete. The trainer
+  puts there what a replay of the span up to the next checkpoint needs besides the files (seed,
+  layout, versions, data position) and the chain: the hash of this checkpoint's weights
+  (`weights_sha256`) and the step and weights hash of the checkpoint before it.
 DCP also runs in a single process without a process group. The final model leaves the run in the
 transformers layout (`model.save_pretrained`), with `run_manifest.json` beside it.
+
+Loading never runs code from the files: DCP's metadata is unpickled with an allow-list of the
+classes DCP writes, and every other pickle (trainer state, DCP's non-tensor values) through
+`torch.load(weights_only=True)`. A checkpoint is input the grader replays, so it must not be
+able to take over the process that reads it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import hashlib
+import io
 import json
+import pathlib
+import pickle
 import random
 import shutil
 import warnings
@@ -22,11 +35,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -75,6 +92,68 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def weights_sha256(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over a state dict's tensors (name, dtype, shape and bytes, names sorted): the
+    checkpoint chain's record of a model, which the grader's replay recomputes the same way."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+# What DCP's .metadata pickle may name: its own metadata classes, and the torch and pathlib values
+# they hold. Anything else in that file was not written by DCP.
+_DCP_METADATA_GLOBALS = {
+    **{("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_filesystem._StorageInfo,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("torch", "Size"): torch.Size,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        value = _DCP_METADATA_GLOBALS.get((module, name))
+        if value is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            value = getattr(torch, name)
+        if value is None:
+            raise pickle.UnpicklingError(f"DCP metadata names {module}.{name}, which DCP never writes")
+        return value
+
+
+class _SafeReader(dcp_filesystem.FileSystemReader):
+    """DCP's file reader, with the metadata unpickled through the allow-list."""
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """DCP's planner, whose non-tensor values (optimizer settings) must unpickle as plain data."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        torch.load(value, weights_only=True)  # raises on anything but plain values and tensors
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def _dcp_load(state: dict, path: Path) -> None:
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=_SafeReader(str(path)), planner=_SafePlanner(), no_dist=_world() == 1)
+
+
 def _stateful(parallel: ParallelModel) -> torch.nn.Module:
     """What DCP saves: the model, or this rank's pipeline stages as one module list (so a
     pipeline run resumes with the same layout)."""
@@ -86,8 +165,9 @@ def step_dir(folder: Path, step: int) -> Path:
 
 
 def save_checkpoint(folder: str | Path, step: int, parallel: ParallelModel, optimizer, trainer_state: dict, meta: dict,
-                    keep_last: int = 2) -> Path:
-    """Write the checkpoint of `step` (collective: every rank calls it) and prune old ones."""
+                    keep_last: int = 0) -> Path:
+    """Write the checkpoint of `step` (collective: every rank calls it); with `keep_last`, delete
+    all but that many (0 keeps every one: the chain the grader replays)."""
     path = step_dir(Path(folder), step)
     model_sd, optim_sd = get_state_dict(_stateful(parallel), optimizers_of(optimizer))
     with _single_process_quiet():
@@ -96,7 +176,7 @@ def save_checkpoint(folder: str | Path, step: int, parallel: ParallelModel, opti
     _barrier()
     if _rank() == 0:
         (path / META).write_text(json.dumps({**meta, "step": step, "world_size": _world()}, indent=2) + "\n")
-        for old in complete_checkpoints(folder)[:-keep_last]:
+        for old in complete_checkpoints(folder)[:-keep_last] if keep_last else ():
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return path
@@ -134,15 +214,28 @@ def load_checkpoint(path: str | Path, parallel: ParallelModel, optimizer) -> tup
     model_sd, optim_sd = get_state_dict(module, optimizers)
     state = {"model": model_sd, "optim": optim_sd}
     try:
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path), no_dist=_world() == 1)
-        trainer_state = torch.load(state_file, weights_only=False)
+        _dcp_load(state, path)
+        trainer_state = torch.load(state_file, weights_only=True)
     except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
         message = " ".join(str(e).split())[:200]
         raise CheckpointError(f"checkpoint {path} is corrupt ({type(e).__name__}: {message}): "
                               "delete it and resume from an earlier one") from None
     set_state_dict(module, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return meta, trainer_state
+
+
+def load_weights(path: str | Path, module: torch.nn.Module) -> None:
+    """Only the model weights of a checkpoint, into `module` (collective), through the safe loader."""
+    path = Path(path)
+    if not (path / META).is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete (no {META})")
+    model_sd = get_model_state_dict(module)
+    try:
+        _dcp_load({"model": model_sd}, path)
+    except (Exception, CheckpointException) as e:
+        message = " ".join(str(e).split())[:200]
+        raise CheckpointError(f"checkpoint {path} is corrupt ({type(e).__name__}: {message})") from None
+    set_model_state_dict(module, model_sd)
 
 
 def full_model_state_dict(model) -> dict[str, torch.Tensor]:

@@ -21,6 +21,8 @@ line naming the key (`recipe tiny.yaml: optimizer.lrr: unknown key (known: ...)`
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,8 +115,8 @@ class ParallelSection:
 @dataclass
 class CheckpointSection:
     enabled: bool = True  # false: no checkpoints at all (throughput measurements)
-    every_steps: int = 0  # 0: only the final checkpoint
-    keep_last: int = 2
+    every_steps: int = 0  # 0: only the first (step 0) and the final checkpoint
+    keep_last: int = 0  # 0: keep every checkpoint (the chain the grader replays); N: only the last N
     export_hf: bool = True  # write the final model in the transformers layout
 
 
@@ -174,6 +176,18 @@ class Recipe:
         d.pop("source_path")
         return d
 
+    @property
+    def training_sha256(self) -> str:
+        """sha256 of what decides the weights: the seed and the model, data mixture, train,
+        optimizer, schedule, moe and parallel sections. Where the data lives (data.source,
+        data.path: the loader pins the shards by hash) and the checkpoint, eval and log sections
+        do not count. Every checkpoint records it: a replay runs the same."""
+        d = self.to_dict()
+        sections = ("seed", "model", "data", "train", "optimizer", "schedule", "moe", "parallel")
+        decisive = {key: d[key] for key in sections}
+        decisive["data"] = {k: v for k, v in decisive["data"].items() if k not in ("source", "path")}
+        return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
+
     def with_overrides(self, overrides: dict) -> Recipe:
         """A new recipe with dotted keys replaced (`{"optimizer.name": "muon"}`), validated."""
         d = self.to_dict()
@@ -213,7 +227,7 @@ class Recipe:
             ("moe.aux_loss_coef", self.moe.aux_loss_coef >= 0, "must be >= 0"),
             ("parallel.ep", self.parallel.ep >= 1, "must be >= 1"),
             ("parallel.pp", self.parallel.pp >= 1, "must be >= 1"),
-            ("checkpoint.keep_last", self.checkpoint.keep_last >= 1, "must be >= 1"),
+            ("checkpoint.keep_last", self.checkpoint.keep_last >= 0, "must be >= 0 (0: keep every checkpoint)"),
             ("checkpoint.every_steps", self.checkpoint.every_steps >= 0, "must be >= 0 (0: only at the end)"),
             ("eval.every_steps", self.eval.every_steps >= 0, "must be >= 0 (0: only at the end)"),
             ("eval.batches", self.eval.batches >= 1, "must be >= 1"),

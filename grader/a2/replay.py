@@ -1,0 +1,169 @@
+"""Verification by replay: the weights of an A2 run are tied to its recipe, its data and its
+token count by training parts of it again.
+
+The trainer keeps its seeded initialisation (step 0) and a chain of checkpoints, each naming the
+one before it (`audit.chain_problem` checks the links). Here the grader's harness
+(`replay_harness.py`, on the grader's pristine A2 stack, in the sandbox: the checkpoints are
+untrusted input) recomputes, from the files alone:
+- the recipe's seeded initialisation, which the step-0 checkpoint must be;
+- every checkpoint's weights hash, which its meta.json must record, and final/'s, which must be
+  the last checkpoint's;
+- the data order: a fresh loader on the submitted shards stepped through the run, whose position
+  and digest every checkpoint must hold;
+- a few spans drawn at random (the job's seed and the submission's name), trained again from the
+  earlier checkpoint, which must give the later one back: bit for bit on the run's layout and
+  hardware, or within the profile's `replay_tolerance` (replayed - recorded, relative to how far
+  the span moved the weights), which covers kernels that are not deterministic.
+The spans replayed add up to at most the profile's `replay_fraction` of the run's steps, so every
+span must be that short: a run checkpointed more sparsely is not verified. A forged span (weights
+from elsewhere, steps that were not taken, other data) is caught when it is drawn: with the
+fraction replayed for one, more surely the more there are. The seconds it took are recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from ..sandbox import Limits, SandboxError, make_scratch, run_sandboxed
+from .audit import Check, chain_problem
+from .intake import A2Submission, Link, read_json
+from .rubric import A2Profile
+
+HARNESS = Path(__file__).with_name("replay_harness.py")
+
+
+def choose_spans(chain: list[Link], fraction: float, seed: str) -> list[tuple[int, int]]:
+    """Spans (indices of consecutive checkpoints) drawn at random until the next would take the
+    steps replayed past `fraction` of the run's."""
+    budget = fraction * chain[-1].step
+    spans = [(i, i + 1) for i in range(len(chain) - 1)]
+    chosen, used = [], 0
+    for i, j in random.Random(seed).sample(spans, len(spans)):
+        steps = chain[j].step - chain[i].step
+        if used + steps <= budget:
+            chosen.append((i, j))
+            used += steps
+    return sorted(chosen)
+
+
+def replay_plan(sub: A2Submission, profile: A2Profile, seed: str) -> tuple[list[tuple[int, int]], str | None]:
+    """The spans to replay, or why the run cannot be replayed on this profile's machine."""
+    chain = sub.chain
+    layout = chain[-1].meta.get("layout")
+    if not isinstance(layout, dict) or layout.get("device") not in ("cpu", "cuda"):
+        return [], f"{chain[-1].path.name}/meta.json records no layout to replay it on"
+    if layout["device"] != profile.device:
+        return [], f"the run trained on {layout['device']}; this profile replays on {profile.device}"
+    if chain[-1].step == 0:
+        return [], "the chain holds no training step"
+    longest = max(b.step - a.step for a, b in zip(chain, chain[1:]))
+    allowed = int(profile.replay_fraction * chain[-1].step)
+    if longest > allowed:
+        return [], (f"checkpoints up to {longest} steps apart: the grader replays at most "
+                    f"{profile.replay_fraction:.0%} of the run's {chain[-1].step} steps, so checkpoint at least every "
+                    f"{max(allowed, 1)} steps (checkpoint.every_steps)")
+    return choose_spans(chain, profile.replay_fraction, seed), None
+
+
+def run_harness(sub: A2Submission, stack: Path, spans: list[tuple[int, int]], profile: A2Profile, logs: Path,
+                threads: int | None = None) -> tuple[dict, float]:
+    """The harness on the pristine stack, sandboxed, reading the submission's checkpoints and
+    data in place (read-only; they must be readable by all) and a copy of final/; (its report,
+    the wall seconds it took)."""
+    world = sub.chain[-1].meta["layout"].get("world_size", 1)
+    scratch = make_scratch()
+    try:
+        shutil.copytree(stack / "starter_code", scratch / "starter_code", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(HARNESS, scratch / HARNESS.name)
+        shutil.copytree(sub.checkpoint, scratch / "final")  # the export may be private to its owner (0600)
+        plan = {"run": str(sub.root.resolve()), "final": "final",
+                "data": str(sub.data.resolve()) if sub.data else None,
+                "checkpoints": [link.path.name for link in sub.chain], "spans": spans, "threads": threads}
+        (scratch / "plan.json").write_text(json.dumps(plan))
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] \
+            if world > 1 else [sys.executable]
+        threads_used = threads or sub.chain[-1].meta["layout"].get("threads") or profile.threads
+        limits = Limits(wall_s=profile.timeout_s, cpu_s=profile.timeout_s * max(1, threads_used),
+                        memory_mb=profile.memory_mb or None, nproc=512)
+        env = {"OMP_NUM_THREADS": str(threads_used), "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",
+               "PYTHONHASHSEED": "0"}
+        try:
+            result = run_sandboxed([*launcher, HARNESS.name, "plan.json"], cwd=scratch, env=env, limits=limits,
+                                   readable=[sub.root])
+        except SandboxError as e:
+            return {"error": f"sandbox: {e}"}, 0.0
+        log = (result.stdout + b"\n" + result.stderr).decode("utf-8", errors="replace")
+        (logs / "replay.log").write_text(log, encoding="utf-8")
+        report_file = scratch / "replay.json"
+        if not report_file.is_file():
+            tail = " ".join(log.strip().splitlines()[-1:])[:300]
+            return {"error": f"the replay did not finish ({result.reason or 'no report'}): {tail}"}, result.wall_s
+        return json.loads(report_file.read_text()), result.wall_s
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def replay_checks(sub: A2Submission, profile: A2Profile, stack: Path, seed: str, logs: Path,
+                  threads: int | None = None) -> tuple[list[Check], dict]:
+    """The replay's checks (initialisation, weights, final weights, data order, replay) and what
+    it cost ({"replay_steps", "replay_fraction", "replay_seconds", "verify_seconds"}); `threads`
+    overrides the run's own CPU threads (the replay is then no longer bit for bit)."""
+    from onenode.train.recipe import RecipeError, load_recipe
+
+    try:
+        broken = chain_problem(sub.chain, load_recipe(sub.recipe).training_sha256)
+    except (RecipeError, OSError):
+        broken = "recipe.yaml does not load"
+    spans, problem = ([], f"not replayed: {broken.split(':')[0]}") if broken else replay_plan(sub, profile, seed)
+    if problem:
+        return [Check("replay", False, problem)], {}
+    start = time.monotonic()
+    report, wall = run_harness(sub, stack, spans, profile, logs, threads)
+    if report.get("error"):
+        return [Check("replay", False, f"the grader's replay failed: {report['error']}")], {}
+    chain, recomputed = sub.chain, report["checkpoints"]
+    checks = [Check("initialisation", recomputed[0]["weights_sha256"] == report["init_sha256"],
+                    f"step_00000000 {'is' if recomputed[0]['weights_sha256'] == report['init_sha256'] else 'is NOT'} "
+                    f"the recipe's seeded initialisation (re-created by the grader)")]
+    forged = next((link for link, found in zip(chain, recomputed) if link.weights != found["weights_sha256"]), None)
+    checks.append(Check("weights", forged is None, f"{forged.path.name}/meta.json records weights that are not its "
+                        "own" if forged else f"the {len(chain)} checkpoints hold the weights their chain records"))
+    final_ok = report["final_sha256"] == recomputed[-1]["weights_sha256"]
+    checks.append(Check("final weights", final_ok, f"final/ {'holds' if final_ok else 'does NOT hold'} the weights of "
+                        f"the chain's last checkpoint ({chain[-1].path.name})"))
+    moved = next((found for found in recomputed if found["loader"]), None)
+    checks.append(Check("data order", moved is None, f"{moved['name']}'s data position is not the one the submitted "
+                        f"data gives at that step ({moved['loader']}): it trained on other data or another order"
+                        if moved else "every checkpoint's data position and order digest are the ones the submitted "
+                        "data gives (recomputed)"))
+    steps = sum(span["steps"] for span in report["spans"])
+    seconds = sum(span["seconds"] for span in report["spans"])
+    checks.append(Check("replay", *_replayed(report["spans"], chain[-1].step, profile.replay_tolerance)))
+    manifest_seconds = read_json(sub.manifest).get("wall_time_s")
+    cost = {"replay_steps": steps, "replay_fraction": steps / chain[-1].step, "replay_seconds": seconds,
+            "verify_seconds": wall or time.monotonic() - start,
+            "run_seconds": manifest_seconds if isinstance(manifest_seconds, (int, float)) else None}
+    return checks, cost
+
+
+
+def _replayed(spans: list[dict], run_steps: int, tolerance: float) -> tuple[bool, str]:
+    """Whether every replayed span gave its end back, and the line that says so (or why not)."""
+    for span in spans:
+        if span.get("error"):
+            return False, f"{span['start']} -> {span['end']} could not be replayed: {span['error']}"
+        if not span["bitwise"] and not span["relative_error"] <= tolerance:
+            return False, (f"{span['start']} -> {span['end']} replayed does not give {span['end']} back (relative "
+                           f"error {span['relative_error']:.3g}, tolerance {tolerance:g}): those weights were not "
+                           "trained by that span")
+    steps, seconds = sum(s["steps"] for s in spans), sum(s["seconds"] for s in spans)
+    near = [s["relative_error"] for s in spans if not s["bitwise"]]
+    how = f"within the tolerance (relative error up to {max(near):.1e}, tolerance {tolerance:g})" if near \
+        else "bit for bit"
+    return True, (f"{len(spans)} span(s) of {steps} steps ({steps / run_steps:.0%} of the run's {run_steps}) "
+                  f"replayed {how} in {seconds:.1f} s")
