@@ -24,7 +24,7 @@ export JUPYTER_RUNTIME_DIR := $(CACHE)/jupyter/runtime
 export ONENODE_CACHE := $(CACHE)/onenode
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup demo test test-fast system-deps browser clean
+.PHONY: setup demo test test-fast bubblewrap system-deps browser clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,25 +36,28 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 ## Main job: grade the example A1 cohort on CPU at tiny scale and print the table.
-demo: setup
+demo: setup bubblewrap
 	$(VENV)/bin/onenode-grade demo --out out/demo
 
 ## Tests: the whole suite (CI runs this; under 20 minutes on 2 cores).
-test: setup
+test: setup bubblewrap
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --durations=20
 
 ## Quick loop while developing: skip the tests marked slow.
-test-fast: setup
+test-fast: setup bubblewrap
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not slow"
 
 ## System packages (Debian/Ubuntu, as root). bubblewrap: the grader's sandbox, without which it
 ## refuses to run submissions (docs/SECURITY.md), so failing to install it stops here. chromium:
 ## the leaderboard's browser test, skipped without it.
-system-deps:
+## The grader runs every submission under bubblewrap, and refuses to run one without it.
+bubblewrap:
 	@command -v bwrap >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) || \
-	  (echo "make system-deps: could not apt-get install bubblewrap (needs root on Debian/Ubuntu): install it, the grader does not run submissions without it" >&2; exit 1)
+	  (echo "make: could not apt-get install bubblewrap (needs root on Debian/Ubuntu): install it, the grader does not run submissions without it" >&2; exit 1)
+
+system-deps: bubblewrap
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
 	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
 	  (echo "make system-deps: could not apt-get install chromium (needs root on Debian/Ubuntu); the browser test will be skipped" >&2)
