@@ -397,16 +397,21 @@ def test_only_the_scratch_and_the_python_install_are_visible(scratch):
             for top, dirs, files in os.walk("/"):
                 dirs[:] = [d for d in dirs if os.path.join(top, d) not in ("/proc", "/sys", "/dev", "/usr")]
                 stray += [os.path.join(top, f) for f in files if not os.path.join(top, f).startswith(allowed)]
-            gone = {{p: os.path.exists(p) for p in {[str(cohort), str(KIT), str(KIT / "solutions"),
-                                                      str(Path(sys.prefix).parent / "solutions"),
-                                                      str(KIT / "starter_code" / "onenode")]!r}}}
+            gone = {{p: os.path.exists(p) for p in {[str(cohort), str(KIT / "README.md"), str(KIT / "grader"),
+                                                      str(KIT / "solutions"), str(KIT / "starter_code" / "onenode"),
+                                                      str(Path(sys.prefix).parent / "solutions")]!r}}}
+            kit = sorted(os.listdir({str(KIT)!r})) if os.path.isdir({str(KIT)!r}) else []
             writable = {{p: os.access(p, os.W_OK) for p in [os.getcwd(), {prefixes[0]!r}, "/usr/bin"]}}
-            print(json.dumps([stray, gone, writable]))
+            print(json.dumps([stray, gone, writable, kit]))
         """, scratch, Limits(wall_s=60, cpu_s=60, memory_mb=512, output_kb=256))
     finally:
         shutil.rmtree(cohort)
-    stray, gone, writable = json.loads(res.stdout)
+    stray, gone, writable, kit = json.loads(res.stdout)
     assert stray == [] and not any(gone.values()), (stray, gone)
+    # A venv inside the checkout (CI's .venv) is mounted at its own path, so the checkout's folder
+    # exists as the mount's parent: it may show the way to the venv, nothing else.
+    venv_parts = {Path(p).relative_to(KIT).parts[0] for p in prefixes if Path(p).is_relative_to(KIT)}
+    assert set(kit) <= venv_parts, kit
     assert writable == {str(scratch): True, prefixes[0]: False, "/usr/bin": False}
 
 
