@@ -367,3 +367,21 @@ def test_handout_runs_in_the_real_release(assignment, doc, tmp_path):
     assert not failures, "\n".join(failures)
     if assignment == "a1":
         check_a1_submission(repo, tmp_path / "intake")
+
+
+@pytest.mark.slow  # builds the offline data (about a minute), trains the tiny model on it, evaluates it
+def test_readme_a2_block_runs_from_data_to_evaluation(tmp_path):
+    """The kit README's A2 block, as written, in a fresh copy of the kit: the data it builds is
+    what the tiny model trains on, and the evaluation finds the tokenizer it needs in final/."""
+    script = next(script for script, *_ in blocks("README.md") if "onenode data build" in script)
+    repo = tmp_path / "kit"
+    for folder in ("starter_code", "a2_pretrain"):
+        shutil.copytree(KIT / folder, repo / folder, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    (repo / ".venv").symlink_to(Path(sys.executable).parents[1])
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(repo / "starter_code"))
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=1200)
+    assert done.returncode == 0, f"{done.stdout[-1000:]}\n{done.stderr[-2000:]}"
+    manifest = json.loads((repo / "runs" / "tiny" / "run_manifest.json").read_text())
+    assert manifest["recipe"]["data"] == {"source": "shards", "path": "data/default", "mixture": {}}
+    assert "onenode_cloze" in done.stdout and " ± " in done.stdout

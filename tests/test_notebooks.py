@@ -123,3 +123,23 @@ def test_reference_notebook_runs_on_cpu_with_the_tiny_preset(tmp_path, monkeypat
     assert any((runs / "profile").iterdir()), "the profile cell wrote no trace"
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert errors == []
+
+
+def test_a2_answers_pass_every_test_and_the_points_are_the_rubrics(monkeypatch):
+    """The A2 source notebook's own answers pass its tests, hidden parts included, and its graded
+    cells add up to the report's points in a2_pretrain/rubric.toml (which the handout's table shows)."""
+    from grader.rubric import read_toml
+
+    nb = nbformat.read(SOURCES["a2"], as_version=4)
+    graded = [c for c in nb.cells if nbgrader_meta(c).get("grade")]
+    assert sum(nbgrader_meta(c)["points"] for c in graded) == read_toml(ROOT / "a2_pretrain/rubric.toml")["points"][
+        "notebook"]
+    assert "decontamination_statement" in by_grade_id(nb)  # the statement the handout's rule 2 asks for
+    monkeypatch.setenv("NBGRADER_EXECUTION", "autograde")  # as nbgrader runs it: no commands
+    namespace = {"__name__": "__main__"}
+    for cell in nb.cells:
+        if cell.cell_type == "code" and not nbgrader_meta(cell).get("grade"):
+            exec(cell.source, namespace)
+    for cell in graded:
+        if cell.cell_type == "code":
+            exec(cell.source, dict(namespace))

@@ -36,6 +36,19 @@ def test_baseline_is_a_one_node_moe():
     assert 0.5e9 < total < 2e9 and active < total / 2
     assert recipe.train.token_budget >= 10e9
     assert (recipe.schedule.name, recipe.optimizer.name) == ("wsd", "adamw")
+    # gradable: the whole chain kept, spans short enough for the grader to replay (10% of the run)
+    assert recipe.checkpoint.keep_last == 0 and recipe.checkpoint.every_steps <= 0.1 * recipe.total_steps
+
+
+def test_a_recipe_starts_from_its_base(tmp_path):
+    offline = load_recipe(RECIPES / "tiny_offline.yaml")
+    tiny = load_recipe(RECIPES / "tiny.yaml")
+    assert (offline.data.source, offline.data.path, offline.model.overrides) == ("shards", "data/default",
+                                                                                 {"vocab_size": 50304})
+    assert offline.train == tiny.train and offline.optimizer == tiny.optimizer and offline.model.preset == "tiny"
+    (tmp_path / "orphan.yaml").write_text("base: nowhere.yaml\nname: orphan\n")
+    with pytest.raises(RecipeError, match="base .*nowhere.yaml is not a recipe"):
+        load_recipe(tmp_path / "orphan.yaml")
 
 
 # A valid recipe; each case below replaces one section (in YAML the later key wins).

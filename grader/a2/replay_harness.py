@@ -85,7 +85,11 @@ def verify(plan: dict, report: dict) -> None:
     run = Path(plan["run"])
     checkpoints = [run / "checkpoints" / name for name in plan["checkpoints"]]
     metas = [json.loads((path / "meta.json").read_text()) for path in checkpoints]
-    torch.set_num_threads(int(plan["threads"] or metas[0]["layout"]["threads"]))
+
+    def threads_of(meta: dict) -> int:  # CPU threads decide the bits too: the run's own, unless the plan says
+        return int(plan["threads"] or meta["layout"]["threads"])
+
+    torch.set_num_threads(threads_of(metas[0]))
     overrides = {"log.tensorboard": False, "log.progress_bar": False}
     if plan["data"]:
         overrides.update({"data.source": "shards", "data.path": plan["data"]})
@@ -104,6 +108,7 @@ def verify(plan: dict, report: dict) -> None:
                                       "loader": "; ".join(problems) or None})
     final = onenode.load_pretrained(plan["final"])
     report["final_sha256"] = weights_sha256(full_model_state_dict(final))
+    del trainer, final  # the spans build their own
 
     recomputed = [c["weights_sha256"] for c in report["checkpoints"]]
     report["spans"] = []
@@ -111,6 +116,7 @@ def verify(plan: dict, report: dict) -> None:
         entry = {"start": checkpoints[i].name, "end": checkpoints[j].name, "steps": metas[j]["step"] - metas[i]["step"],
                  "seconds": 0.0, "bitwise": False, "relative_error": None}
         try:
+            torch.set_num_threads(threads_of(metas[i]))
             replay_span(Trainer(recipe, Path(f"replay-{i}"), resume=str(checkpoints[i])), checkpoints[i],
                         checkpoints[j], recomputed[j], entry)
         except Exception as e:  # this span cannot be replayed (its checkpoint holds another data order, say)

@@ -15,7 +15,9 @@
     log: {every_steps: 1}
 
 Every section is a dataclass below; a key that is unknown or of the wrong type fails with one
-line naming the key (`recipe tiny.yaml: optimizer.lrr: unknown key (known: ...)`).
+line naming the key (`recipe tiny.yaml: optimizer.lrr: unknown key (known: ...)`). A recipe may
+start from another: `base: tiny.yaml` (a path beside it) takes that recipe and replaces what this
+one says, key by key.
 """
 
 from __future__ import annotations
@@ -254,9 +256,26 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> Recipe:
         raise RecipeError(f"recipe {path.name}: not valid YAML ({_one_line(e)})") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"recipe {path.name}: the top level must be a mapping of sections")
+    if "base" in raw:
+        base = path.parent / str(raw.pop("base"))
+        raw = _merged(yaml.safe_load(base.read_text()) if base.is_file() else None, raw, path.name, base)
     for dotted, value in (overrides or {}).items():
         _set_dotted(raw, dotted, value)
     return from_dict(raw, source=str(path))
+
+
+def _merged(base, raw: dict, name: str, base_path: Path) -> dict:
+    """`raw` over the recipe it names as its base: mappings merge key by key, values replace."""
+    if not isinstance(base, dict) or "base" in base:
+        raise RecipeError(f"recipe {name}: base {base_path} is not a recipe without a base of its own")
+
+    def merge(under: dict, over: dict) -> dict:
+        out = dict(under)
+        for key, value in over.items():
+            out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        return out
+
+    return merge(base, raw)
 
 
 def from_dict(raw: dict, source: str | None = None) -> Recipe:
