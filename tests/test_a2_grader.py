@@ -268,6 +268,20 @@ def test_evaluation_text_in_the_trained_shards_is_caught_on_every_profile(tmp_pa
     assert contamination(loaded, {"notes": sub / "data" / "notes" / "train.bin"}, [CLEAN.upper()]).ok
 
 
+def test_spans_are_drawn_by_their_steps_within_the_replay_budget():
+    """A long span among many short ones is drawn as often as its steps say, never past the budget."""
+    from grader.a2.intake import Link
+    from grader.a2.replay import choose_spans
+
+    steps = [0, *range(1, 91), 100]  # ninety 1-step spans, then one of 10 steps (10% of the run)
+    chain = [Link(Path(f"step_{s:08d}"), {"step": s}) for s in steps]
+    draws = [choose_spans(chain, 0.1, f"seed-{i}") for i in range(400)]
+    assert all(sum(steps[j] - steps[i] for i, j in spans) <= 10 for spans in draws)
+    assert draws[0] == choose_spans(chain, 0.1, "seed-0") != draws[1]
+    long_drawn = sum((90, 91) in spans for spans in draws) / len(draws)
+    assert 0.05 < long_drawn < 0.2, long_drawn  # ~its 10% of the steps (uniform order would give ~1%)
+
+
 # -- scores above the noise ----------------------------------------------------------------------
 def _report(accuracy: float, perplexity: float, accuracy_error: float = 0.05, perplexity_error: float = 2.0) -> dict:
     return {"suite": "offline", "headline": {

@@ -38,16 +38,16 @@ HARNESS = Path(__file__).with_name("replay_harness.py")
 
 
 def choose_spans(chain: list[Link], fraction: float, seed: str) -> list[tuple[int, int]]:
-    """Spans (indices of consecutive checkpoints) drawn at random until the next would take the
-    steps replayed past `fraction` of the run's."""
-    budget = fraction * chain[-1].step
-    spans = [(i, i + 1) for i in range(len(chain) - 1)]
+    """Spans (indices of consecutive checkpoints) drawn at random, each as likely as the steps it
+    holds (a long span hidden among many short ones is drawn as often as its steps say), while
+    the steps replayed stay within `fraction` of the run's."""
+    budget, rng = fraction * chain[-1].step, random.Random(seed)
+    steps = {(i, i + 1): chain[i + 1].step - chain[i].step for i in range(len(chain) - 1)}
     chosen, used = [], 0
-    for i, j in random.Random(seed).sample(spans, len(spans)):
-        steps = chain[j].step - chain[i].step
-        if used + steps <= budget:
-            chosen.append((i, j))
-            used += steps
+    while fitting := [span for span in steps if span not in chosen and used + steps[span] <= budget]:
+        span = rng.choices(fitting, weights=[steps[s] for s in fitting])[0]
+        chosen.append(span)
+        used += steps[span]
     return sorted(chosen)
 
 
@@ -55,7 +55,8 @@ def replay_plan(sub: A2Submission, profile: A2Profile, seed: str) -> tuple[list[
     """The spans to replay, or why the run cannot be replayed on this profile's machine."""
     chain = sub.chain
     layout = chain[-1].meta.get("layout")
-    if not isinstance(layout, dict) or layout.get("device") not in ("cpu", "cuda"):
+    if not isinstance(layout, dict) or layout.get("device") not in ("cpu", "cuda") or not all(
+            isinstance(layout.get(key), int) and 1 <= layout[key] <= 256 for key in ("world_size", "threads")):
         return [], f"{chain[-1].path.name}/meta.json records no layout to replay it on"
     if layout["device"] != profile.device:
         return [], f"the run trained on {layout['device']}; this profile replays on {profile.device}"
