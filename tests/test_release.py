@@ -49,6 +49,17 @@ def test_leak_check_finds_markers_and_reference_lines(tmp_path):
     assert not any(f.startswith("c.txt") for f in found)
 
 
+def test_the_slow_paths_describe_what_they_do_not_the_fix():
+    """Issue 17: the starter's docstrings at the three slow paths say what the code does and what
+    is measured; the ways out stay in the hint ladder."""
+    prescriptions = ("grouped gemm", "grouped_mm", "a1's fix", "slow on purpose", "host sync (", "stack the experts",
+                     "should be", "instead of")
+    files = ["model/moe.py", "model/hf_io.py", "parallel/pipeline.py", "parallel/expert_parallel.py"]
+    found = [(name, phrase) for name in files
+             for phrase in prescriptions if phrase in (ROOT / "starter_code" / "onenode" / name).read_text().lower()]
+    assert found == []
+
+
 def test_hints_come_one_rung_at_a_time_and_never_ship(tmp_path, monkeypatch, capsys):
     from grader.cli import main
 

@@ -6,8 +6,8 @@ and `save_pretrained` call this; `onenode convert` rewrites a folder from one la
 - NVIDIA remote code (what `trust_remote_code` checkpoints and this kit's model use): prefix
   `backbone.`, one module per expert, `mixer.experts.{j}.up_proj.weight` [I, H].
 
-Conversion is written against the *target's* own keys and shapes (`adapt_state_dict`), so a
-model whose experts are stacked (as after A1's fix) loads and saves with no change here.
+Conversion is written against the *target's* own keys and shapes (`adapt_state_dict`): a model
+may keep its experts in either layout and loads and saves both.
 """
 
 from __future__ import annotations

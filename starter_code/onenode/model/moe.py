@@ -1,8 +1,9 @@
 """NemotronH's mixture of experts: a sigmoid top-k router, routed relu² experts, a shared expert.
 
-`MoE.routed_experts` is A1's first slow path: it loops over every expert in Python, the way
-NVIDIA's remote code does, with a host sync per expert. The router and the module layout
-(`gate`, `experts.{j}.up_proj/down_proj`, `shared_experts`) follow that code's checkpoint names.
+`MoE.routed_experts` computes the routed experts the way NVIDIA's remote code does, one expert
+module at a time; A1 Part 1 measures this layer and the whole training step around it. The router
+and the module layout (`gate`, `experts.{j}.up_proj/down_proj`, `shared_experts`) follow that
+code's checkpoint names.
 """
 
 from __future__ import annotations
@@ -74,10 +75,9 @@ class MoE(nn.Module):
     def routed_experts(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         """sum_k topk_weight[:, k] * expert_{topk_idx[:, k]}(x), one expert at a time.
 
-        Slow on purpose (A1): a Python loop over ALL experts, each launching its own small
-        matmuls, with a host sync (`numel() > 0` on a data-dependent shape) per expert. Experts
-        that got no token still run on an empty batch, so every expert gets a (zero) gradient
-        every step, which FSDP's reduce-scatter needs.
+        For each expert: the tokens routed to it, its MLP on them, the weighted result added
+        back at their rows. An expert that got no token runs on an empty batch, so every expert
+        gets a (zero) gradient every step, which FSDP's reduce-scatter needs.
         """
         out = torch.zeros_like(x, dtype=topk_weight.dtype)
         for e, expert in enumerate(self.experts):

@@ -24,9 +24,9 @@ from torch.distributed.nn.functional import all_to_all_single as _all_to_all_sin
 
 
 class GroupedExperts(abc.ABC):  # noqa: B024 (no methods: a class declares itself with `register`)
-    """The experts layout expert parallelism shards: every parameter stacked over a leading
-    expert dimension (`up_proj` [E, I, H], `down_proj` [E, H, I], as transformers and torchtitan
-    store them). An experts class declares itself with `GroupedExperts.register(cls)`."""
+    """An experts module that `apply_expert_parallel` can split: each of its parameters holds
+    every routed expert along dimension 0. A class declares itself with
+    `GroupedExperts.register(cls)`; modules of other classes are left whole."""
 
 
 def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
