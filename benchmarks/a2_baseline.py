@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="the record's folder (benchmarks/results/<date>-h200-a2-baseline-offline)")
     parser.add_argument("--cpu", action="store_true", help="the tiny preset on a CPU (checks the path in minutes)")
     parser.add_argument("--replay", action="store_true", help="measure the grader's replay of the run instead")
+    parser.add_argument("--token-budget", type=int, default=None,
+                        help="train this many tokens instead (the record says so): a shorter run on a GPU")
     parser.add_argument("--stack", default=None,
                         help="the A2 stack's folder (holding starter_code/), built where git works and carried "
                              "(default: built now, $ONENODE_CACHE/a2-stack/)")
@@ -69,13 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     overrides = CPU if args.cpu else GPU
+    if args.token_budget:
+        overrides = {**overrides, "train.token_budget": args.token_budget}
     if args.replay:
         overrides = {**overrides, **REPLAY, **({"train.token_budget": 64 * 8 * 64} if args.cpu else {})}
     train = [sys.executable, "-m", "onenode.cli", "train", RECIPE, "--out", str(out / "run"), "--fresh",
              *(f"--set={k}={v}" for k, v in overrides.items())]
     evaluate = [sys.executable, "-m", "onenode.cli", "eval", str(out / "run" / "final"), "--suite", "offline",
                 *EVAL["cpu" if args.cpu else "gpu"], "--out", str(out / "eval.json")]
-    env = {**os.environ, "PYTHONPATH": str(stack / "starter_code"), "ONENODE_COMMIT": git_commit() or "unknown"}
+    path = os.pathsep.join([str(stack / "starter_code"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    commit = os.environ.get("ONENODE_COMMIT") or git_commit() or "unknown"
+    env = {**os.environ, "PYTHONPATH": path, "ONENODE_COMMIT": commit}
     with open(out / "log.txt", "w") as log:
         for command in (train, evaluate):
             log.write("$ " + " ".join(command) + "\n")

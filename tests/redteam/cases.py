@@ -284,9 +284,9 @@ if "collectives" in _sys.modules:
     _sys.modules["collectives"].CollectiveCounter.take = lambda self: {}
 """
 
-# No expert parallelism: the experts stay whole on every rank, outside FSDP, and their gradients
-# are averaged by all_reduce (no all-gather of them anywhere).
-EXPERTS_ALL_REDUCED = """
+# No expert parallelism: the experts stay whole on every rank, outside FSDP, and `_average` (below)
+# averages their gradients with something other than an all-gather.
+EXPERTS_OUTSIDE_FSDP = """
 import torch as _torch
 import torch.distributed as _dist
 
@@ -301,17 +301,46 @@ class _AdamW(_torch.optim.AdamW):  # one loop per tensor: sharded and whole para
 _torch.optim.AdamW = _AdamW
 
 
-def _average(param):
-    _dist.all_reduce(param.grad)
-    param.grad.div_(_dist.get_world_size())
-
-
 def fully_shard(module, **options):
     experts = {p for name, p in module.named_parameters() if ".experts." in f".{name}"}
     for param in experts - _replicated:
         _replicated.add(param)
         param.register_post_accumulate_grad_hook(_average)
     return _honest_fully_shard(module, ignored_params=experts or None, **options)
+"""
+
+AVERAGE_BY_ALL_REDUCE = """
+def _average(param):
+    _dist.all_reduce(param.grad)
+    param.grad.div_(_dist.get_world_size())
+"""
+
+# Each rank broadcasts its gradient in turn and every rank adds them up: no all_reduce, no gather.
+AVERAGE_BY_BROADCAST = """
+def _average(param):
+    total = _torch.zeros_like(param.grad)
+    for source in range(_dist.get_world_size()):
+        received = param.grad.clone()
+        _dist.broadcast(received, src=source)
+        total += received
+    param.grad.copy_(total / _dist.get_world_size())
+"""
+
+# A DTensor holding each rank's gradient as a partial sum, made whole with `full_tensor()`: the
+# collective runs through torch's functional collectives, never through torch.distributed's calls.
+AVERAGE_AS_DTENSOR = """
+from torch.distributed.device_mesh import init_device_mesh as _init_device_mesh
+from torch.distributed.tensor import DTensor as _DTensor
+from torch.distributed.tensor import Partial as _Partial
+
+_mesh = []
+
+
+def _average(param):
+    if not _mesh:
+        _mesh.append(_init_device_mesh(param.grad.device.type, (_dist.get_world_size(),)))
+    whole = _DTensor.from_local(param.grad, _mesh[0], [_Partial()]).full_tensor()
+    param.grad.copy_(whole / _dist.get_world_size())
 """
 
 # No pipeline: with pp > 1 every rank trains the whole model on the whole batch.
@@ -423,8 +452,11 @@ CASES: list[Case] = [
     _on_the_fix("wrong-expert-gradient", MOE_FILE, WRONG_EXPERT_GRADIENT, r"^wrong", "moe"),
     _running("tampers-the-counter", {f"{STARTER}/__init__.py": COUNTER_TAMPERING},
              r"expert weights still travel", part="ep"),
-    _running("experts-all-reduced", {f"{STARTER}/parallel/fsdp.py": EXPERTS_ALL_REDUCED},
-             r"expert weights still travel", part="ep"),
+    *(_running(name, {f"{STARTER}/parallel/fsdp.py": EXPERTS_OUTSIDE_FSDP + average},
+               r"expert weights still travel", part="ep")
+      for name, average in (("experts-all-reduced", AVERAGE_BY_ALL_REDUCE),
+                            ("experts-averaged-by-broadcast", AVERAGE_BY_BROADCAST),
+                            ("experts-averaged-as-dtensor", AVERAGE_AS_DTENSOR))),
     _running("pipeline-returns-whole-model", {f"{STARTER}/parallel/__init__.py": WHOLE_MODEL_PIPELINE},
              r"not a pipeline's", part="pp"),
 ]
