@@ -451,12 +451,12 @@ CASES: list[Case] = [
     _running("slows-the-baseline", {f"{STARTER}/__init__.py": SLOWS_THE_BASELINE}, r"not faster"),
     _on_the_fix("wrong-expert-gradient", MOE_FILE, WRONG_EXPERT_GRADIENT, r"^wrong", "moe"),
     _running("tampers-the-counter", {f"{STARTER}/__init__.py": COUNTER_TAMPERING},
-             r"expert weights still travel", part="ep"),
+             r"^matches, but the expert weights still travel", part="ep"),
     *(_running(name, {f"{STARTER}/parallel/fsdp.py": EXPERTS_OUTSIDE_FSDP + average},
-               r"expert weights still travel", part="ep")
+               r"^matches, but the expert weights still travel", part="ep")
       for name, average in (("experts-all-reduced", AVERAGE_BY_ALL_REDUCE),
                             ("experts-averaged-by-broadcast", AVERAGE_BY_BROADCAST),
                             ("experts-averaged-as-dtensor", AVERAGE_AS_DTENSOR))),
     _running("pipeline-returns-whole-model", {f"{STARTER}/parallel/__init__.py": WHOLE_MODEL_PIPELINE},
-             r"not a pipeline's", part="pp"),
+             r"^matches, but the traffic between the ranks is not a pipeline's", part="pp"),
 ]
