@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .model import DEFAULT_MAX_LENGTH, checkpoint_tokenizer, hf_tokenizer, onenode_lm_class
-from .suite import offline_suite_dir, suite_tasks
+from .suite import suite_tasks, task_manager
 
 ROUTES = ("onenode", "hf")
 
@@ -74,15 +74,13 @@ def evaluate(checkpoint: str | Path, suite: str = "offline", route: str = "oneno
     if suite == "offline":
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON files: never ask the hub (read at import)
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     checkpoint = Path(checkpoint)
     if not (checkpoint / "config.json").is_file():
         raise FileNotFoundError(f"{checkpoint} is not a checkpoint folder (no config.json): point at the "
                                 "run's final/ folder")
     specs = suite_tasks(suite)
-    include = tasks_dir or (offline_suite_dir() if suite == "offline" else None)
-    manager = TaskManager(include_path=str(include)) if include else TaskManager()
+    manager = task_manager(suite, tasks_dir)
     start = time.monotonic()
     held_tokens = None
     if val_data or val_text:  # read first: a bad path fails before the long part

@@ -159,6 +159,17 @@ def build_offline_suite(out: str | Path, docs: list[str] | None = None, items: i
     return out
 
 
+def task_manager(suite: str, tasks_dir: str | Path | None = None):
+    """lm-eval's TaskManager for `suite`: the offline suite's tasks are all local, so lm-eval's own
+    ~15,000 task definitions are not indexed (about 15 s on a laptop core, at every evaluation)."""
+    from lm_eval.tasks import TaskManager
+
+    include = tasks_dir or (offline_suite_dir() if suite == "offline" else None)
+    if include is None:
+        return TaskManager()
+    return TaskManager(include_path=str(include), include_defaults=suite != "offline")
+
+
 def suite_texts(name: str, tasks_dir: str | Path | None = None) -> list[str]:
     """Every text the suite's items show a model: each evaluation document's prompt with its
     choices (multiple choice) or its target (perplexity), as lm-eval builds them from the task
@@ -166,10 +177,9 @@ def suite_texts(name: str, tasks_dir: str | Path | None = None) -> list[str]:
     What training data must not contain; the `decontaminate` curation step and the grader's
     contamination check read it."""
     from lm_eval.api.task import Task
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import get_task_dict
 
-    include = tasks_dir or (offline_suite_dir() if name == "offline" else None)
-    manager = TaskManager(include_path=str(include)) if include else TaskManager()
+    manager = task_manager(name, tasks_dir)
     texts: list[str] = []
     pending = [get_task_dict([spec.name for spec in suite_tasks(name)], manager)]
     while pending:  # groups (MMLU) hold their subtasks as nested dicts
