@@ -108,7 +108,7 @@ def test_cohort_killed_midway_resumes_with_every_result_once(tmp_path):
     (cohort / "d-nopatch").mkdir()
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "grader.cli", "a1", "--cohort", str(cohort), "--out", str(out),
-           "--profile", "quick", "--rubric", str(_quick_rubric(tmp_path)), "--quiet"]
+           "--profile", "quick", "--rubric", str(_quick_rubric(tmp_path)), "--quiet", "--no-notebook"]
     first = subprocess.Popen(cmd + ["--seed", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while not (out / "a-starter" / "results.json").exists():
