@@ -98,9 +98,12 @@ def test_grading_twice_gives_the_same_score(graded, monkeypatch):
 @pytest.mark.dist
 def test_course_node_layouts_on_eight_processes(tmp_path, monkeypatch):
     """cpu-8proc: the course node's layouts (dp=8 with ep=8; pp=2 with dp=4 and ep=4) at tiny
-    scale on 8 gloo processes, the code path of h100x8: the reference earns every point of
-    Parts 2 and 3 from the traffic the grader reads (the starter's own runs are the job's
-    reference; cpu-tiny's calibration covers what the other submissions earn)."""
+    scale on 8 gloo processes, the code path of h100x8. The example submissions that earn Part 2
+    or 3 points are graded on those parts, each earning exactly its parts from the traffic the
+    grader reads (the starter's own runs are the job's reference, so the unchanged starter's
+    traffic is the job's; Part 1 runs in one process on every profile and cpu-tiny's calibration
+    covers it). Part 3 alone is the case that once failed here: its stages, each sharded over 4
+    ranks, moved 0.52 of plain FSDP's traffic."""
     monkeypatch.setattr(scoring, "STEPS", [scoring.grade_ep, scoring.grade_pp])
     rubric = load_rubric()
     profile = dataclasses.replace(rubric.profile("cpu-8proc"), warmup=1, repeats=1,
@@ -109,8 +112,11 @@ def test_course_node_layouts_on_eight_processes(tmp_path, monkeypatch):
     job = new_job(rubric, "cpu-8proc", tmp_path / "work", tmp_path / "starter-logs", seed=88)
     cohort = {folder.name: folder for folder in build_cohort(tmp_path / "cohort")}
     full = {key: part.points for key, part in rubric.parts.items()}
-    reference = grade_one(A1, cohort["reference-full"], job, tmp_path / "out")
-    assert {k: v for k, v in _scores(reference).items() if k != "moe"} == {"ep": full["ep"], "pp": full["pp"]}
-    numbers = reference["extra_data"]["numbers"]
-    assert numbers["expert_traffic_ratio"] < profile.max_expert_traffic
+    expected = {"part2-ep": (full["ep"], 0), "part3-pp": (0, full["pp"]), "reference-full": (full["ep"], full["pp"])}
+    results = {name: grade_one(A1, cohort[name], job, tmp_path / "out") for name in expected}
+    scores = {name: (_scores(r)["ep"], _scores(r)["pp"]) for name, r in results.items()}
+    assert scores == expected, {name: results[name]["tests"] for name in scores if scores[name] != expected[name]}
+    numbers = {name: r["extra_data"]["numbers"] for name, r in results.items()}
+    assert numbers["reference-full"]["expert_traffic_ratio"] < profile.max_expert_traffic
+    assert numbers["part3-pp"]["expert_traffic_ratio"] > profile.max_expert_traffic  # its ep layout is plain FSDP
     assert all(t > 0 for t in job.reference.ep.traffic), "the starter's dp=8 FSDP traffic, read from outside"

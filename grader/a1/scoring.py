@@ -204,6 +204,9 @@ def grade_notebook(ctx: Context) -> None:
 
 # The grading steps, in order; each adds tests (and numbers) to the context.
 STEPS = [grade_moe, grade_ep, grade_pp, grade_notebook]
+# The sessions each step reads: a submission runs only those of the steps in STEPS (a job that
+# grades Parts 2 and 3 alone skips the MoE layer and the reference layout).
+READS = {grade_moe: ("moe", "reference"), grade_ep: ("ep",), grade_pp: ("pp",), grade_notebook: ()}
 
 
 def _median_timed(run: SessionResult, warmup: int) -> float:
@@ -250,12 +253,14 @@ def grade(job: A1Job, path: Path, work: Path, logs: Path) -> Graded:
     submission = load_submission(path, work)
     tree = patched_tree(submission, work / "tree")
     ref = job.reference
+    reads = {name for step in STEPS for name in READS[step]}
     starter_moe = Session("moe", job.spec("moe", weights_in="moe.pt"), job.moe_seeds)
-    runs = run_sessions(job.harness, tree, job.profile, job.world(), job.sessions(), logs,
+    runs = run_sessions(job.harness, tree, job.profile, job.world(),
+                        [session for session in job.sessions() if session.name in reads], logs,
                         files_in={"moe.pt": ref.moe_weights, "model.pt": ref.model_weights},
-                        baselines={"moe": (ref.tree, starter_moe)})
+                        baselines={"moe": (ref.tree, starter_moe)} if "moe" in reads else None)
     starter = runs.get("moe-starter")
-    if runs["moe"].ok and (starter is None or not starter.ok):
+    if "moe" in runs and runs["moe"].ok and (starter is None or not starter.ok):
         why = starter.error if starter else "it did not start"
         raise GraderError(f"the unpatched starter's MoE failed beside {submission.name} ({why})")
     ctx = Context(job, submission, runs, logs)
