@@ -111,11 +111,18 @@ def test_course_node_layouts_on_eight_processes(tmp_path, monkeypatch):
     rubric = dataclasses.replace(rubric, profiles={**rubric.profiles, "cpu-8proc": profile})
     job = new_job(rubric, "cpu-8proc", tmp_path / "work", tmp_path / "starter-logs", seed=88)
     cohort = {folder.name: folder for folder in build_cohort(tmp_path / "cohort")}
-    full = {key: part.points for key, part in rubric.parts.items()}
-    expected = {"part2-ep": (full["ep"], 0), "part3-pp": (0, full["pp"]), "reference-full": (full["ep"], full["pp"])}
-    results = {name: grade_one(A1, cohort[name], job, tmp_path / "out") for name in expected}
-    scores = {name: (_scores(r)["ep"], _scores(r)["pp"]) for name, r in results.items()}
-    assert scores == expected, {name: results[name]["tests"] for name in scores if scores[name] != expected[name]}
+    parts = {"part2-ep": {"ep"}, "part3-pp": {"pp"}, "reference-full": {"ep", "pp"}}
+    results = {name: grade_one(A1, cohort[name], job, tmp_path / "out") for name in parts}
+    for name, earns in parts.items():
+        for test in (t for t in results[name]["tests"] if t["tags"][0] in ("ep", "pp")):
+            # correctness and the evidence exactly; speed on 8 processes over 2 cores only shows the
+            # path works (cpu-8proc's ranges are not calibrated: the machine times nothing of it)
+            if test["tags"][0] not in earns:
+                assert test["score"] == 0, (name, test)
+            elif test["name"].endswith("speed"):
+                assert test["score"] > 0, (name, test)
+            else:
+                assert test["score"] == test["max_score"], (name, test)
     numbers = {name: r["extra_data"]["numbers"] for name, r in results.items()}
     assert numbers["reference-full"]["expert_traffic_ratio"] < profile.max_expert_traffic
     assert numbers["part3-pp"]["expert_traffic_ratio"] > profile.max_expert_traffic  # its ep layout is plain FSDP
