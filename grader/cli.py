@@ -80,6 +80,9 @@ def _grading_options(parser: argparse.ArgumentParser, assignment: Assignment, pr
     parser.add_argument("--rubric", default=str(assignment.rubric_path),
                         help=f"rubric TOML (default: {assignment.rubric_path.relative_to(KIT_ROOT)})")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--no-notebook", action="store_true",
+                        help="grade everything but report.ipynb (e.g. on a GPU node without nbgrader); "
+                             "grade notebooks elsewhere")
     assignment.add_options(parser)
 
 

@@ -22,9 +22,6 @@ STARTER_LOGS = ".starter-logs"  # in OUT: the logs of the starter's reference ru
 
 def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="grading seed (default: random, recorded in results)")
-    parser.add_argument("--no-notebook", action="store_true",
-                        help="grade the code parts only (e.g. on a GPU node without nbgrader); "
-                             "grade notebooks elsewhere")
 
 
 def job_from_args(rubric: A1Rubric, profile: str, workdir: Path, args: argparse.Namespace) -> A1Job:

@@ -43,7 +43,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def job_from_args(rubric: A2Rubric, profile: str, workdir: Path, args: argparse.Namespace) -> A2Job:
-    return new_job(rubric, profile, workdir, args.baseline, args.seed)
+    return new_job(rubric, profile, workdir, args.baseline, args.seed, notebooks=not args.no_notebook)
 
 
 A2 = Assignment(

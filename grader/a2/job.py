@@ -28,6 +28,7 @@ class A2Job(Job):
     rubric: A2Rubric
     profile: A2Profile
     baseline_checkpoint: Path | None = None  # default: the profile's
+    notebooks: bool = True  # False: no report.ipynb grading (a node without nbgrader; notebooks graded elsewhere)
     eval_texts: list[str] | None = None  # the suite's text, read on first use (`evaluation_text`)
     _suite: Path | None = None
     _baseline: dict | None = None
@@ -133,6 +134,7 @@ def trained_run(recipe_path: str | Path, overrides: dict | None = None) -> Path:
 
 
 def new_job(rubric: A2Rubric, profile_name: str, workdir: Path, baseline: str | None = None,
-            seed: int | None = None) -> A2Job:
+            seed: int | None = None, notebooks: bool = True) -> A2Job:
     seed = secrets.randbelow(2**31) if seed is None else seed
-    return A2Job(rubric, rubric.profile(profile_name), seed, workdir, Path(baseline) if baseline else None)
+    return A2Job(rubric, rubric.profile(profile_name), seed, workdir, Path(baseline) if baseline else None,
+                 notebooks=notebooks)

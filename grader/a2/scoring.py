@@ -136,7 +136,8 @@ def grade(job: A2Job, path: Path, work: Path, logs: Path) -> Graded:
     graded.numbers.update(cost)
     if report is not None:
         (logs / "eval-report.json").write_text(json.dumps(report, indent=2) + "\n")
-    graded.tests += grade_notebook(sub.notebook, logs)
+    if job.notebooks:
+        graded.tests += grade_notebook(sub.notebook, logs)
     shutil.copy2(sub.metrics, logs / "metrics.jsonl")  # the leaderboard's loss curve
     graded.facts.update(run=run_facts(sub), audit=[c.__dict__ for c in checks])
     return graded
