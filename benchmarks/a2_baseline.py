@@ -71,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     overrides = CPU if args.cpu else GPU
-    if args.token_budget:
-        overrides = {**overrides, "train.token_budget": args.token_budget}
     if args.replay:
         overrides = {**overrides, **REPLAY, **({"train.token_budget": 64 * 8 * 64} if args.cpu else {})}
+    if args.token_budget:  # last: it holds with --replay too
+        overrides = {**overrides, "train.token_budget": args.token_budget}
     train = [sys.executable, "-m", "onenode.cli", "train", RECIPE, "--out", str(out / "run"), "--fresh",
              *(f"--set={k}={v}" for k, v in overrides.items())]
     evaluate = [sys.executable, "-m", "onenode.cli", "eval", str(out / "run" / "final"), "--suite", "offline",

@@ -271,12 +271,14 @@ def _merge(replies: list[dict]) -> dict:
 
 
 class Ranks:
-    """`world` ranks, forked from a server that preloaded torch; a session runs on the first `n` of them (1 or all)."""
+    """`world` ranks; a session runs on the first `n` of them (1 or all).
+
+    The ranks fork from a server that imported torch once (a spawned rank spent ~2.5 s of CPU on
+    that import: 20 s of a 2-core machine for 8 ranks). The server starts before any submission
+    code runs and imports nothing else, so each rank still installs the collective counter before
+    FSDP and the submission are imported."""
 
     def __init__(self, config: dict):
-        # Forked from a server that imported torch once: a spawned rank spent ~2.5 s of CPU on that
-        # import, 20 s of a 2-core machine for 8 ranks. The server starts before any submission
-        # code runs and imports nothing else (the ranks install the collective counter first).
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch"])
         store = str(Path.cwd() / f"rendezvous-{uuid.uuid4().hex}")
