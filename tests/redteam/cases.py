@@ -11,6 +11,7 @@ grader must make of it:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import io
 import tarfile
@@ -30,6 +31,7 @@ class Case:
     reason: str  # regex over the reason (rejected) or the part's feedback (zero)
     part: str | None = None
     runs: bool = False
+    hole: str | None = None  # an attack that still works: why (the test is a strict xfail until it is closed)
 
 
 # --------------------------------------------------------------------------- patch text
@@ -352,6 +354,22 @@ def parallelize(model, dims, **options):
     return ParallelModel(model) if dims.pp > 1 else _honest_parallelize(model, dims, **options)
 """
 
+# No pipeline, and a few dummy bytes per forward so that something crosses the stage boundary:
+# every rank trains the whole model on the whole batch, with no collective of its own.
+DUMMY_BYTES_PIPELINE = """
+_honest_parallelize = parallelize
+
+
+def parallelize(model, dims, **options):
+    if dims.pp == 1:
+        return _honest_parallelize(model, dims, **options)
+    import torch as _torch
+    import torch.distributed as _dist
+
+    model.register_forward_pre_hook(lambda module, args: _dist.all_reduce(_torch.zeros(65536)))
+    return ParallelModel(model)
+"""
+
 # Burns both cores whenever its own rank waits for a seed (the starter's turn, when the two take
 # turns), and sleeps while its rank works.
 SLOWS_THE_BASELINE = """
@@ -459,4 +477,8 @@ CASES: list[Case] = [
                             ("experts-averaged-as-dtensor", AVERAGE_AS_DTENSOR))),
     _running("pipeline-returns-whole-model", {f"{STARTER}/parallel/__init__.py": WHOLE_MODEL_PIPELINE},
              r"^matches, but the traffic between the ranks is not a pipeline's", part="pp"),
+    dataclasses.replace(
+        _running("pipeline-sends-dummy-bytes", {f"{STARTER}/parallel/__init__.py": DUMMY_BYTES_PIPELINE},
+                 r"^matches, but", part="pp"),
+        hole="traffic alone cannot tell it from a pipeline: per-rank parameter memory must decide (docs/SECURITY.md)"),
 ]
