@@ -34,7 +34,7 @@ from .model.config import PRESETS
 from .model.nemotron_h import CausalLMOutput
 from .parallel import ParallelDims, ParallelModel, parallelize
 from .parallel.distributed import init_distributed, local_device
-from .parallel.layers import apply_activation_checkpointing, apply_compile
+from .parallel.layers import prepare_layers
 from .profiling import format_top_kernels, profiled, time_split, top_kernels, write_trace
 from .train.logging import environment, git_commit
 from .train.step import build_optimizer, train_step
@@ -87,8 +87,8 @@ def build_transformers_peer(model: torch.nn.Module, experts_implementation: str)
 
 def prepare_model(args, config, world: int, device: torch.device,
                   dtype: torch.dtype | None) -> tuple[ParallelModel | torch.nn.Module, dict]:
-    """Build, checkpoint, compile and parallelize the model (torchtitan's order), computing in
-    `dtype` (`parallelize` sets the precision, on one process too); returns it and its layout."""
+    """Build, compile, checkpoint and parallelize the model (`prepare_layers` says why in that
+    order), computing in `dtype` (`parallelize` sets the precision, on one process too); returns it and its layout."""
     if args.impl == "transformers" and (world > 1 or args.compile != "off" or args.activation_checkpointing):
         raise SystemExit("--impl transformers runs on one device, eager, without activation checkpointing: "
                          "drop --compile/--activation-checkpointing and run one process")
@@ -99,10 +99,7 @@ def prepare_model(args, config, world: int, device: torch.device,
     if args.ep > 1 and world == 1:
         raise SystemExit(f"--ep {args.ep} needs as many processes: launch with torchrun --nproc-per-node {args.ep}")
     model = build_model(config, seed=args.seed, device=device)
-    if args.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    if args.compile != "off":
-        apply_compile(model, args.compile)
+    prepare_layers(model, compile=args.compile, activation_checkpointing=args.activation_checkpointing)
     if args.impl == "transformers":
         model = build_transformers_peer(model, args.experts_implementation)
     pipeline = {"schedule": args.pp_schedule, "microbatches": args.microbatches} if args.pp > 1 else {}

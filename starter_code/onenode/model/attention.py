@@ -16,6 +16,9 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        # A bool fixed here: compiled as `num_kv_heads != num_heads`, a recompile that makes the
+        # head counts symbolic turns it into a SymBool, which SDPA rejects (a graph break).
+        self.grouped_query = self.num_kv_heads != self.num_heads
         hidden, bias = config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
@@ -29,6 +32,6 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads
+            q, k, v, is_causal=True, enable_gqa=self.grouped_query
         )
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))

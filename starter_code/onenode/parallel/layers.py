@@ -1,8 +1,15 @@
-"""What is applied to every layer before the model is sharded (torchtitan's order: activation
-checkpointing, then compile, then expert parallelism and FSDP)."""
+"""What is applied to every layer before the model is sharded: compile, then activation
+checkpointing, then (in `parallelize`) expert parallelism and FSDP.
+
+Compile comes first so that the checkpoint wraps an already compiled block. The other way round,
+dynamo must trace the checkpoint itself, and the first graph break in that frame (FSDP's hooks,
+which it skips, are one) makes it run the whole checkpointed block eagerly: a profiled step of the
+tiny model held no compiled region at all.
+"""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -15,7 +22,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
 
 
-def apply_compile(model: nn.Module, mode: str) -> None:
+def apply_compile(model: nn.Module, mode: str, backend: str = "inductor") -> None:
     """`torch.compile` per layer, as torchtitan does (one small graph per block, reused).
 
     "mixers" compiles every Mamba2, attention and dense MLP mixer and leaves MoE mixers eager:
@@ -25,6 +32,22 @@ def apply_compile(model: nn.Module, mode: str) -> None:
     """
     for layer in model.backbone.layers:
         if mode == "blocks":
-            layer.compile()
-        elif getattr(layer, "kind", None) != "moe":
-            layer.mixer.compile()
+            _compile_forward(layer, backend)
+        elif layer.kind != "moe":
+            _compile_forward(layer.mixer, backend)
+
+
+def _compile_forward(module: nn.Module, backend: str) -> None:
+    """Compile `forward` alone, not the whole call (`module.compile()`): the hooks FSDP2 puts on
+    the module later stay outside the graph, where dynamo would break it in two. The parameters
+    keep their names (no `_orig_mod.` wrapper)."""
+    module.forward = torch.compile(module.forward, backend=backend)
+
+
+def prepare_layers(model: nn.Module, *, compile: str = "off", activation_checkpointing: bool = False,
+                   backend: str = "inductor") -> None:
+    """Compile the layers (`compile`: off, mixers or blocks), then checkpoint them, in that order."""
+    if compile != "off":
+        apply_compile(model, compile, backend)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)

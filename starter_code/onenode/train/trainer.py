@@ -34,7 +34,7 @@ import yaml
 from ..model import build_model, count_parameters
 from ..parallel import ParallelDims, ParallelModel, parallelize
 from ..parallel.distributed import init_distributed, local_device, mean_over_ranks
-from ..parallel.layers import apply_activation_checkpointing, apply_compile
+from ..parallel.layers import prepare_layers
 from .balance import RouterBalancer
 from .checkpoint import (
     export_final,
@@ -69,10 +69,8 @@ class Trainer:
 
         torch.manual_seed(recipe.seed)
         model = build_model(self.config, seed=recipe.seed, device=self.device)
-        if recipe.train.activation_checkpointing:
-            apply_activation_checkpointing(model)
-        if recipe.train.compile:
-            apply_compile(model, "blocks")
+        prepare_layers(model, compile="blocks" if recipe.train.compile else "off",
+                       activation_checkpointing=recipe.train.activation_checkpointing)
         self.parallel = self._parallelize(model)
         data_mesh = self.parallel.dp_mesh
         self.dp_group = data_mesh.get_group() if data_mesh is not None else None  # None: the default group
