@@ -56,7 +56,7 @@ class SessionResult:
     # here), and the most CPU seconds any one of its processes used.
     traffic: list[int | None] = field(default_factory=list)
     busiest_cpu_s: list[float] = field(default_factory=list)
-    gpu_memory: int | None = None  # the most GPU memory one of its processes held, read after every step
+    gpu_memory: int | None = None  # the most GPU memory one of its processes held, after the session
     setup_s: float = 0.0  # from the session spec to "ready"
     error: str | None = None
     log_tail: str = ""  # the end of the child's log, when this session failed
@@ -150,7 +150,6 @@ class Child:
             result.seconds.append(seconds)
             result.traffic.append(None if traffic is None or after is None else after - traffic)
             result.busiest_cpu_s.append(max((t - cpu.get(pid, 0.0) for pid, t in cpu_after.items()), default=0.0))
-            self.proc.peak_memory_bytes()  # a reading after every step: memory freed before the end still counts
         else:
             result.error = reply.get("error") or DIED
 

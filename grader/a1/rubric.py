@@ -59,7 +59,6 @@ class A1Profile(Profile):
     speed: dict  # measurement -> [low, high] speedup
     max_expert_traffic: float
     pipeline_traffic: list
-    pipeline_memory: float | None = None  # None: not read (no per-process GPU memory on CPU)
     layouts: dict = field(default_factory=dict)
 
     def speed_share(self, measurement: str, speedup: float) -> float:

@@ -184,13 +184,11 @@ def grade_pp(ctx: Context) -> None:
     data_parallel = _traffic(ref.ep, profile.warmup) if ref.ep is not None else math.inf
     yours = _traffic(run, profile.warmup)
     low, high = profile.pipeline_traffic
-    split, memory = pipeline_memory(profile, ref.train, run)
-    fixed = low * activations <= yours <= high * data_parallel and split
+    fixed = low * activations <= yours <= high * data_parallel
     ctx.numbers["pp_traffic_mb_per_step"] = yours / 2**20
     feature = (f"traffic between the ranks per step, read by the grader: {yours / 2**20:.3f} MiB; the stage "
                f"boundaries pass on {activations / 2**20:.3f} MiB of activations (at least {low:g}x of them must "
-               f"move), plain data parallelism moves {data_parallel / 2**20:.2f} MiB (at most {high:g}x of it "
-               f"may){memory}")
+               f"move), plain data parallelism moves {data_parallel / 2**20:.2f} MiB (at most {high:g}x of it may)")
     speedup, timing = _step_numbers(ctx, run, ref.train, "pp")
     _award(ctx, part, error <= profile.train_rtol, fixed, profile.speed_share("pp_step", speedup),
            _checked(run, error, profile.train_rtol), feature, timing,
@@ -228,21 +226,6 @@ def expert_parameter_share(profile: A1Profile) -> float:
 
     config = _profile_config(profile)
     return routed_expert_parameters(config) / count_parameters(config)[0]
-
-
-def pipeline_memory(profile: A1Profile, reference: SessionResult, run: SessionResult) -> tuple[bool, str]:
-    """Whether the pp layout's busiest rank holds no more GPU memory than `pipeline_memory` times
-    the reference layout's memory spread evenly over the pp layout's ranks, and the feedback's
-    sentence. Read by the grader (nvidia-smi, after every step): a rank that keeps the whole model
-    holds about pp times that. True and "" where it cannot be read (CPU profiles)."""
-    bound = profile.pipeline_memory
-    if bound is None or not reference.gpu_memory or not run.gpu_memory:
-        return True, ""
-    even = reference.gpu_memory * profile.layouts["reference"]["world"] / profile.layouts["pp"]["world"]
-    ratio = run.gpu_memory / even
-    return ratio <= bound, (f"; GPU memory of the busiest rank, read by the grader: {run.gpu_memory / 2**30:.1f} "
-                            f"GiB, {ratio:.2f}x the reference layout's {reference.gpu_memory / 2**30:.1f} GiB spread "
-                            f"over the pp layout's ranks (at most {bound:g}x)")
 
 
 def activation_bytes(profile: A1Profile, pp: int) -> int:
