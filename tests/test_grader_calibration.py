@@ -85,12 +85,14 @@ def test_calibration(graded):
 @pytest.mark.slow
 @pytest.mark.dist
 def test_grading_twice_gives_the_same_score(graded, monkeypatch):
+    """Part 1 of part1-moe (its timed layer and whole step) under another seed: other inputs, other
+    timings, the same score. Parts 2 and 3 are left out: their layouts' runs would add half a minute."""
     results, _, out = graded
-    monkeypatch.setattr(scoring, "STEPS", [scoring.grade_moe, scoring.grade_ep, scoring.grade_pp])
+    monkeypatch.setattr(scoring, "STEPS", [scoring.grade_moe])
     job = new_job(load_rubric(), "cpu-tiny", out / "work2", out / "starter-logs2", seed=4321)
     again = grade_one(A1, out / "cohort" / "part1-moe", job, out / "again")
     assert again["extra_data"]["seed"] != results["part1-moe"]["extra_data"]["seed"]
-    assert _scores(again) == _scores(results["part1-moe"])
+    assert _scores(again)["moe"] == _scores(results["part1-moe"])["moe"] > 0
 
 
 @needs_solutions

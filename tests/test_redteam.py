@@ -116,8 +116,10 @@ def _marks(case: Case) -> list:
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=_marks(c)) for c in CASES])
-def test_adversarial_submission(case: Case, planted_cohort, tmp_path, request):
+def test_adversarial_submission(case: Case, planted_cohort, tmp_path, request, monkeypatch):
     job = request.getfixturevalue("layout_job" if case.part in ("ep", "pp") else "job")
+    if case.part in ("ep", "pp"):  # graded on the part it attacks alone: the others' sessions do not run
+        monkeypatch.setattr(scoring, "STEPS", [scoring.grade_ep if case.part == "ep" else scoring.grade_pp])
     (tmp_path / "in").mkdir()
     results = _grade(case.build(KIT, tmp_path / "in"), job, tmp_path / "out")
 

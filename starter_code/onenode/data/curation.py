@@ -22,6 +22,12 @@ import numpy as np
 
 _WORD = re.compile(r"\w+")
 _SYMBOLS = "#$%&*+/<=>@\\^_`{|}~"
+_ASCII_LETTER = re.compile(r"[A-Za-z]")
+
+
+def _has_letter(token: str) -> bool:
+    """Whether any character of `token` is a letter (`str.isalpha`), by a regex where it is ASCII."""
+    return bool(_ASCII_LETTER.search(token)) if token.isascii() else any(map(str.isalpha, token))
 
 
 def words(text: str) -> list[str]:
@@ -101,7 +107,7 @@ class QualityFilter(Filter):
         visible = sum(map(len, tokens))
         if sum(text.count(c) for c in _SYMBOLS) > lim["max_symbol_ratio"] * visible:
             return "symbols"
-        if sum(any(c.isalpha() for c in t) for t in tokens) < lim["min_alpha_words"] * len(tokens):
+        if sum(map(_has_letter, tokens)) < lim["min_alpha_words"] * len(tokens):
             return "not_alphabetic"
         lines = [line.strip() for line in text.splitlines() if line.strip()]
         seen, dup_chars = set(), 0
@@ -201,8 +207,10 @@ class NearDedup(Filter):
         x = np.unique(ngram_hashes(words(text), self.shingle))
         if len(x) == 0:
             x = np.zeros(1, dtype=np.uint64)
-        with np.errstate(over="ignore"):  # wrapping mod 2**64 is the hash
-            hashed = (self._a[:, None] * x[None, :] + self._b[:, None]) >> np.uint64(32)
+        with np.errstate(over="ignore"):  # wrapping mod 2**64 is the hash; in place: one [perm, n] array
+            hashed = np.multiply(self._a[:, None], x[None, :])
+            hashed += self._b[:, None]
+        hashed >>= np.uint64(32)
         return hashed.min(axis=1).astype(np.uint32)  # kept for every document: 4 bytes a value
 
     def reject_reason(self, text: str) -> str | None:
