@@ -480,5 +480,5 @@ CASES: list[Case] = [
     dataclasses.replace(
         _running("pipeline-sends-dummy-bytes", {f"{STARTER}/parallel/__init__.py": DUMMY_BYTES_PIPELINE},
                  r"^matches, but", part="pp"),
-        hole="traffic alone cannot tell it from a pipeline: per-rank parameter memory must decide (docs/SECURITY.md)"),
+        hole="traffic alone cannot tell it from a pipeline, nor GPU memory as nvidia-smi reads it (docs/SECURITY.md)"),
 ]
