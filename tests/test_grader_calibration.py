@@ -86,7 +86,8 @@ def test_calibration(graded):
 @pytest.mark.dist
 def test_grading_twice_gives_the_same_score(graded, monkeypatch):
     """Part 1 of part1-moe (its timed layer and whole step) under another seed: other inputs, other
-    timings, the same score. Parts 2 and 3 are left out: their layouts' runs would add half a minute."""
+    timings, the same score. Parts 2 and 3 are left out: the calibration test covers them, and their
+    layouts' runs would cost this test a fifth more time."""
     results, _, out = graded
     monkeypatch.setattr(scoring, "STEPS", [scoring.grade_moe])
     job = new_job(load_rubric(), "cpu-tiny", out / "work2", out / "starter-logs2", seed=4321)

@@ -88,7 +88,8 @@ def build_transformers_peer(model: torch.nn.Module, experts_implementation: str)
 def prepare_model(args, config, world: int, device: torch.device,
                   dtype: torch.dtype | None) -> tuple[ParallelModel | torch.nn.Module, dict]:
     """Build, compile, checkpoint and parallelize the model (`prepare_layers` says why in that
-    order), computing in `dtype` (`parallelize` sets the precision, on one process too); returns it and its layout."""
+    order), computing in `dtype` (`parallelize` sets the precision, on one process too); returns it
+    and its layout."""
     if args.impl == "transformers" and (world > 1 or args.compile != "off" or args.activation_checkpointing):
         raise SystemExit("--impl transformers runs on one device, eager, without activation checkpointing: "
                          "drop --compile/--activation-checkpointing and run one process")
