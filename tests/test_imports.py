@@ -82,7 +82,9 @@ def static_cycles(package: Path) -> set[tuple[str, ...]]:
 # A fresh interpreter per module, without paying for torch each time (seconds, most modules import
 # it): this one loads torch, nothing of the kit, then forks a child per module name on stdin, as
 # many at a time as there are cores; the child imports that module alone and answers
-# "name<TAB>ok" or "name<TAB>the error's last line" (one short write: lines never interleave).
+# "name<TAB>ok" or "name<TAB>the error's last line" in one os.write of under PIPE_BUF bytes, so
+# lines from children running at once never interleave (print() may write the text and its newline
+# apart: under PYTHONUNBUFFERED it does).
 IMPORT_SERVER = """
 import importlib, os, sys, traceback
 import torch
@@ -95,7 +97,7 @@ for line in sys.stdin:
             answer = "ok"
         except BaseException:
             answer = traceback.format_exc().strip().splitlines()[-1]
-        print(f"{name}\t{answer}", flush=True)
+        os.write(1, f"{name}\t{answer[:2000]}\\n".encode())
         os._exit(0)
     running += 1
     if running >= (os.cpu_count() or 1):
