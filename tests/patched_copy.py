@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from onenode.data.corpus import cache_lock
+
 KIT_ROOT = Path(__file__).resolve().parents[1]
 TESTS = KIT_ROOT / "tests"
 PARTS = KIT_ROOT / "solutions" / "a1" / "parts"
@@ -46,19 +48,22 @@ def patched_tree(parts: list[str]) -> Path:
         digest.update(name.encode() + part_path(name).read_bytes())
     label = "+".join(parts) or "starter"
     tree = KIT_ROOT / ".cache" / "patched" / f"{label}-{digest.hexdigest()[:12]}"
-    if (tree / "starter_code").is_dir():
-        return tree
-    for stale in tree.parent.glob(f"{label}-*"):  # copies of older sources or patches
+    with cache_lock(f"patched-{label}"):  # test workers running at once build each copy once
+        if not (tree / "starter_code").is_dir():
+            _build(tree, source, parts)
+    return tree
+
+
+def _build(tree: Path, source: Path, parts: list[str]) -> None:
+    for stale in tree.parent.glob(f"{tree.name.rsplit('-', 1)[0]}-*"):  # copies of older sources or patches
         shutil.rmtree(stale, ignore_errors=True)
-    staging = tree.with_name(tree.name + f".tmp{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = tree.with_name(tree.name + ".tmp")
     shutil.copytree(source, staging / "starter_code", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for name in parts:
         result = git_apply(staging, part_path(name))
         if result.returncode != 0:
             raise RuntimeError(f"{part_path(name).name} does not apply after {parts}: {result.stderr.strip()}")
     staging.rename(tree)
-    return tree
 
 
 def tree_env(tree: Path) -> dict[str, str]:

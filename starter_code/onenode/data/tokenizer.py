@@ -135,19 +135,20 @@ class HFTokenizer(Tokenizer):
 
 def gpt2_ranks_file() -> Path:
     """`gpt2.tiktoken` from the openai-whisper sdist, extracted once into the cache."""
-    from onenode.data.corpus import cache_dir, pip_sdist
+    from onenode.data.corpus import cache_dir, cache_lock, pip_sdist
 
     path = cache_dir() / "tokenizers" / "gpt2.tiktoken"
-    if not path.exists():
-        with tarfile.open(pip_sdist("openai-whisper==20250625")) as tar:
-            member = next((m for m in tar.getmembers()
-                           if m.name.endswith("whisper/assets/gpt2.tiktoken")), None)
-            if member is None:
-                raise TokenizerError("the openai-whisper sdist has no whisper/assets/gpt2.tiktoken")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_bytes(tar.extractfile(member).read())
-            tmp.replace(path)
+    with cache_lock("gpt2.tiktoken"):
+        if not path.exists():
+            with tarfile.open(pip_sdist("openai-whisper==20250625")) as tar:
+                member = next((m for m in tar.getmembers()
+                               if m.name.endswith("whisper/assets/gpt2.tiktoken")), None)
+                if member is None:
+                    raise TokenizerError("the openai-whisper sdist has no whisper/assets/gpt2.tiktoken")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_bytes(tar.extractfile(member).read())
+                tmp.replace(path)
     return path
 
 

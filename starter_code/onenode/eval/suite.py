@@ -198,9 +198,10 @@ def suite_texts(name: str, tasks_dir: str | Path | None = None) -> list[str]:
 
 def offline_suite_dir() -> Path:
     """The offline suite, built once into $ONENODE_CACHE/eval/offline."""
-    from ..data.corpus import cache_dir
+    from ..data.corpus import cache_dir, cache_lock
 
     folder = cache_dir() / "eval" / "offline"
-    if not all((folder / f"{t}.yaml").is_file() for t in OFFLINE_TASKS):
-        build_offline_suite(folder)
+    with cache_lock("eval-offline"):
+        if not all((folder / f"{t}.yaml").is_file() for t in OFFLINE_TASKS):
+            build_offline_suite(folder)
     return folder

@@ -143,7 +143,7 @@ class Trainer:
             folder = Path(d.path)
         else:
             from ..data import build
-            from ..data.corpus import cache_dir
+            from ..data.corpus import cache_dir, cache_lock
 
             config = Path(d.path)
             if not config.is_file():
@@ -151,7 +151,9 @@ class Trainer:
             folder = cache_dir() / "datasets" / hashlib.sha256(config.read_bytes()).hexdigest()[:16]
             if not (folder / "manifest.json").is_file():
                 if self.rank == 0:
-                    build(config, folder)
+                    with cache_lock(f"datasets-{folder.name}"):
+                        if not (folder / "manifest.json").is_file():
+                            build(config, folder)
                 if self.world > 1:
                     dist.barrier()
         manifest = folder / "manifest.json"
