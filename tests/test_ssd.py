@@ -46,6 +46,31 @@ def test_float32_inputs_compute_in_float32():
     torch.testing.assert_close(y, ssd_naive(**inp), rtol=1e-4, atol=1e-4)
 
 
+def test_bfloat16_inputs_multiply_in_bfloat16_and_stay_close():
+    """On bf16 inputs the four chunk products take bf16 operands (tensor cores on a GPU), and only
+    the small carry of states across chunks multiplies in float32; the result is float32 and within
+    bf16 rounding of the float64 recurrence."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default):
+                self.seen.append("@".join(str(a.dtype).removeprefix("torch.") for a in args[:2]))
+            return func(*args, **(kwargs or {}))
+
+    inp = _inputs(3 * CHUNK + 5, seed=2)
+    want = ssd_naive(**inp)
+    with MatmulDtypes() as mode:
+        y = ssd_chunked(**{k: v.to(torch.bfloat16) if k in "xBC" else v.float() for k, v in inp.items()},
+                        chunk_size=CHUNK)
+    assert sorted(mode.seen) == ["bfloat16@bfloat16"] * 4 + ["float32@float32"] and y.dtype == torch.float32
+    assert (y.double() - want).abs().max() < 2e-2 * want.abs().max()
+
+
 def test_forced_mamba_ssm_kernel_on_cpu_is_a_clear_error():
     with pytest.raises(RuntimeError, match="mamba_kernel='torch'"):
         select_ssd("mamba_ssm")

@@ -7,12 +7,15 @@ positions with -100 are ignored. The loss is the mean cross entropy, in float32,
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
-# Float32 logits per chunk of the fused head + loss (1 GiB): with a 131k vocabulary, 2048 tokens.
-# Larger chunks mean fewer passes over the [vocab, hidden] weight gradient, smaller ones less memory.
+# Logits per chunk of the fused head + loss (bf16 logits and their gradient, 1 GiB together; twice
+# that in float32): with a 131k vocabulary, 2048 tokens. Larger chunks mean fewer passes over the
+# [vocab, hidden] weight gradient, smaller ones less memory.
 CHUNK_LOGITS = 2**28
 
 
@@ -21,14 +24,51 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
 
 
+def chunk_loss_and_logit_grad(logits: torch.Tensor, target: torch.Tensor, kept: torch.Tensor,
+                              with_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The summed cross entropy of a chunk's rows [n, vocab] (float32) and, `with_grad`, its
+    gradient with respect to the logits, softmax - one_hot, zero on rows not `kept`, in the logits'
+    dtype.
+
+    Written as one reduction and one elementwise pass, so that compiled (`_chunk_math`, on a GPU)
+    it reads the logits twice and writes the gradient once: no float32 copy of the chunk."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    loss = ((lse - x.gather(1, target[:, None])).squeeze(1) * kept).sum()
+    if not with_grad:
+        return loss, None
+    is_target = torch.arange(x.shape[-1], device=x.device) == target[:, None]
+    grad = (torch.exp(x - lse) - is_target.to(x.dtype)) * kept[:, None]
+    return loss, grad.to(logits.dtype)
+
+
+@functools.cache
+def _compiled_chunk_math():
+    return torch.compile(chunk_loss_and_logit_grad, fullgraph=True)
+
+
+def _chunk_math(logits: torch.Tensor):
+    """Compiled on a GPU (Triton fuses the passes over the [n, vocab] chunk), eager elsewhere."""
+    return _compiled_chunk_math() if logits.is_cuda else chunk_loss_and_logit_grad
+
+
+def _accumulate_weight_grad(grad_weight: torch.Tensor, grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """grad_weight (float32) + grad.T @ h. On a GPU one GEMM whose float32 epilogue adds in place of
+    a low-precision product and a separate pass over the [vocab, hidden] sum."""
+    if grad.is_cuda and grad.dtype != grad_weight.dtype:
+        return torch.addmm(grad_weight, grad.t(), h, out_dtype=grad_weight.dtype)
+    return grad_weight.add_(grad.t() @ h)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """`cross_entropy_loss(hidden @ weight.T, labels)` without the [tokens, vocab] logits.
 
-    The forward walks the tokens in chunks; a chunk's logits exist (in float32) only while its loss
-    and its gradients are taken: d(sum of losses)/d logits = softmax - one_hot (zero on ignored
-    rows), cast to the logits' dtype as autograd would, then times the weight (for hidden) and
-    times the chunk's hidden states (for the weight, added up in float32). The backward only scales
-    them by grad / count. Same matmul FLOPs as the plain head and its backward, no recompute.
+    The forward walks the tokens in chunks; a chunk's logits exist only while its loss and its
+    gradients are taken (`chunk_loss_and_logit_grad`): d(sum of losses)/d logits = softmax -
+    one_hot (zero on ignored rows), in the logits' dtype as autograd would give it, then times the
+    weight (for hidden) and times the chunk's hidden states (for the weight, added up in float32).
+    The backward only scales them by grad / count. Same matmul FLOPs as the plain head and its
+    backward, no recompute.
     """
 
     @staticmethod
@@ -37,24 +77,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if hidden_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight_grad else None
+        math = _chunk_math(hidden)
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start:start + chunk]
             target = labels[start:start + chunk]
             kept = target != IGNORE_INDEX
-            target = target.masked_fill(~kept, 0)[:, None]
-            logits = F.linear(h, weight)
-            logits32 = logits.float()
-            lse = torch.logsumexp(logits32, dim=-1, keepdim=True)
-            total += ((lse - logits32.gather(1, target)).squeeze(1) * kept).sum()
-            if not (hidden_grad or weight_grad):
-                continue
-            grad = logits32.sub_(lse).exp_()  # softmax, in place of the float32 logits
-            grad.scatter_add_(1, target, torch.full_like(target, -1, dtype=grad.dtype))
-            grad = grad.mul_(kept[:, None]).to(logits.dtype)
+            loss, grad = math(F.linear(h, weight), target.masked_fill(~kept, 0), kept, hidden_grad or weight_grad)
+            total += loss
             if grad_hidden is not None:
                 grad_hidden[start:start + chunk] = grad @ weight
             if grad_weight is not None:
-                grad_weight += grad.t() @ h
+                grad_weight = _accumulate_weight_grad(grad_weight, grad, h)
         count = (labels != IGNORE_INDEX).sum()
         ctx.save_for_backward(grad_hidden, grad_weight, count)
         ctx.dtypes = hidden.dtype, weight.dtype

@@ -50,7 +50,10 @@ def ssd_chunked(
     x [b, t, h, p], dt [b, t, h] (already softplus-ed and clamped), A [h] (negative),
     B and C [b, t, g, n], D [h]. Any t: the time axis is zero-padded to a multiple of the chunk
     (zero dt = no input and no decay, and padding sits after every real step, so it changes
-    nothing). Computes and returns float32 (float64 if x is float64): [b, t, h, p].
+    nothing). Computes and returns float32 (float64 if x is float64): [b, t, h, p]. With bfloat16
+    or float16 inputs the chunk products take bf16/fp16 operands with float32 accumulation (tensor
+    cores, as mamba_ssm's kernels do); decays, cumulative sums and the states carried across chunks
+    stay in float32.
 
     Within a chunk the scan is a masked attention-like matmul (C B^T with the decay mask); across
     chunks only the [h, p, n] states are carried, by a small recurrence over the chunks.
@@ -58,8 +61,10 @@ def ssd_chunked(
     b, t, h, p = x.shape
     g, n = B.shape[-2:]
     dtype = torch.promote_types(x.dtype, torch.float32)
+    operands = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else dtype  # of the chunk products
     pad = (-t) % chunk_size
-    x, dt, B, C = (F.pad(v.to(dtype), (0, 0) * (v.dim() - 2) + (0, pad)) for v in (x, dt, B, C))
+    x, dt = (F.pad(v.to(dtype), (0, 0) * (v.dim() - 2) + (0, pad)) for v in (x, dt))
+    B, C = (F.pad(v.to(operands), (0, 0, 0, 0, 0, pad)) for v in (B, C))
     nc = (t + pad) // chunk_size
 
     # Heads split as (g, r): head i reads the B and C of group i // r, as repeat_interleave would.
@@ -72,22 +77,24 @@ def ssd_chunked(
 
     # 1. Within each chunk: y_l = sum_{s<=l} (C_l . B_s) decay(s->l) dt_s x_s.
     scores = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)
-    weights = scores[:, :, None] * torch.exp(_segment_sum(a))  # [b, g, r, c, l, s]
-    y = torch.einsum("bgrcls,bcsgrp->bclgrp", weights, dtx)
+    weights = scores[:, :, None] * torch.exp(_segment_sum(a))  # [b, g, r, c, l, s], float32
+    y = torch.einsum("bgrcls,bcsgrp->bclgrp", weights.to(operands), dtx.to(operands)).to(dtype)
 
     # 2. The state each chunk leaves behind, from its own inputs only.
-    decay_to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b, g, r, c, l]
-    chunk_states = torch.einsum("bclgn,bgrcl,bclgrp->bcgrpn", Bc, decay_to_end, dtx)
+    decay_to_end = torch.exp(a_cum[..., -1:] - a_cum).permute(0, 3, 4, 1, 2)  # [b, c, l, g, r]
+    chunk_states = torch.einsum("bclgn,bclgrp->bcgrpn", Bc, (dtx * decay_to_end[..., None]).to(operands))
 
     # 3. Carry the states across chunks: the state entering chunk z sums every earlier chunk's
     #    state, decayed over the chunks in between.
+    chunk_states = chunk_states.to(dtype)
     chunk_states = torch.cat([torch.zeros_like(chunk_states[:, :1]), chunk_states], dim=1)
     chunk_decay = torch.exp(_segment_sum(F.pad(a_cum[..., -1], (1, 0))))  # [b, g, r, c+1, c+1]
     start_states = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, chunk_states)[:, :-1]
 
     # 4. What the incoming state contributes inside each chunk.
     decay_from_start = torch.exp(a_cum).permute(0, 3, 4, 1, 2)  # [b, c, l, g, r]
-    y = y + torch.einsum("bclgn,bcgrpn->bclgrp", Cc, start_states) * decay_from_start[..., None]
+    carried = torch.einsum("bclgn,bcgrpn->bclgrp", Cc, start_states.to(operands)).to(dtype)
+    y = y + carried * decay_from_start[..., None]
 
     y = y.reshape(b, nc * chunk_size, h, p)[:, :t]
     if D is not None:
