@@ -52,14 +52,6 @@ def _chunk_math(logits: torch.Tensor):
     return _compiled_chunk_math() if logits.is_cuda else chunk_loss_and_logit_grad
 
 
-def _accumulate_weight_grad(grad_weight: torch.Tensor, grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """grad_weight (float32) + grad.T @ h. On a GPU one GEMM whose float32 epilogue adds in place of
-    a low-precision product and a separate pass over the [vocab, hidden] sum."""
-    if grad.is_cuda and grad.dtype != grad_weight.dtype:
-        return torch.addmm(grad_weight, grad.t(), h, out_dtype=grad_weight.dtype)
-    return grad_weight.add_(grad.t() @ h)
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     """`cross_entropy_loss(hidden @ weight.T, labels)` without the [tokens, vocab] logits.
 
@@ -87,7 +79,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start:start + chunk] = grad @ weight
             if grad_weight is not None:
-                grad_weight = _accumulate_weight_grad(grad_weight, grad, h)
+                grad_weight += grad.t() @ h
         count = (labels != IGNORE_INDEX).sum()
         ctx.save_for_backward(grad_hidden, grad_weight, count)
         ctx.dtypes = hidden.dtype, weight.dtype
