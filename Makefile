@@ -39,12 +39,10 @@ setup: $(VENV)/.installed
 demo: setup bubblewrap
 	$(VENV)/bin/onenode-grade demo --out out/demo
 
-## Tests: the whole suite (CI runs this; under 20 minutes on 2 cores). Two workers, a test file
-## each at a time: most tests wait on subprocesses, and each file's fixtures are built once.
-TEST_WORKERS ?= 2
+## Tests: the whole suite (CI runs this; under 20 minutes on 2 cores).
 test: setup bubblewrap
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
+	$(PY) -m pytest -q --durations=20
 
 ## Quick loop while developing: skip the tests marked slow.
 test-fast: setup bubblewrap
