@@ -93,6 +93,7 @@ class Child:
             env = {"OMP_NUM_THREADS": str(profile.threads), "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",
                    "PYTHONHASHSEED": "0"}
             limits = limits_for(profile, world, sessions, harness.max_file_mb)
+            self.ends_by = time.monotonic() + limits.wall_s  # when the sandbox's wall limit ends it
             self.proc: SandboxedProcess = spawn_sandboxed([sys.executable, "-u", harness.script.name], cwd=self.scratch,
                                                           env=env, limits=limits)
         except BaseException:
@@ -133,6 +134,11 @@ class Child:
         else:
             result.error = reply.get("error") or DIED
         return result
+
+    def release(self, deadline: float) -> bool:
+        """Drop the session the child holds (its memory, on the GPU too); whether it answered."""
+        reply, _ = self.ask({"release": True}, deadline)
+        return "released" in reply
 
     def traffic(self) -> int | None:
         """Bytes sent between this child's processes so far, by a counter the child cannot reach:
@@ -185,31 +191,74 @@ class Child:
                 result.gpu_memory = child.gpu_memory()
         return pairs[0][2], (pairs[1][2] if baseline is not None else None)
 
-    def close(self, logs: Path) -> tuple[str, str]:
-        """End the child (politely, then not), save its log as `<name>.log`; (log, one-line
-        reason it ended)."""
+    def close(self, logs: Path | None) -> tuple[str, str]:
+        """End the child (politely, then not), save its log as `<name>.log` in `logs` (if given);
+        (log, one-line reason it ended)."""
         try:
             self.proc.stdin.close()
         except OSError:
             pass
         ended = self.proc.wait(timeout=60)
         log = ended.stderr.decode("utf-8", errors="replace")
-        (logs / f"{self.name}.log").write_text(log, encoding="utf-8")
+        if logs is not None:
+            (logs / f"{self.name}.log").write_text(log, encoding="utf-8")
         shutil.rmtree(self.scratch, ignore_errors=True)
         return log, ended.reason
 
 
+class Baseline:
+    """The unpatched starter's session that a submission's session of the same name is timed
+    beside, on a one-rank child kept from one submission to the next: starting a child costs
+    seconds (torch's import, the model's build; on a GPU its context too), and the starter's code
+    is the kit's own. Between submissions the child holds no session (`Child.release`). It is
+    replaced after a failure, and before its wall limit could end it during a session."""
+
+    REUSE = 8  # sessions a child is sized for (its wall and CPU limits)
+
+    def __init__(self, tree: Path, harness: Harness, profile: Profile, session: Session, files_in: dict[str, Path]):
+        self.tree, self.harness, self.profile, self.session, self.files_in = tree, harness, profile, session, files_in
+        self.child: Child | None = None
+        self.served = 0
+
+    def next_child(self) -> Child:
+        """The child for the next submission: the kept one, or a fresh one."""
+        spent = self.child is not None and (
+            self.served >= self.REUSE or not self.child.proc.pids()
+            or self.child.ends_by - time.monotonic() < 2 * self.profile.timeout_s)
+        if spent:
+            self.close()
+        if self.child is None:
+            self.child = Child(f"starter-{self.session.name}", self.tree, self.harness, self.profile, 1, self.REUSE,
+                               self.files_in)
+            self.served = 0
+        self.served += 1
+        return self.child
+
+    def done(self, result: SessionResult, logs: Path) -> SessionResult:
+        """Keep the child if its session went well and it let go of it; else end it (its log goes
+        to `logs`, and a failed result gets the reason and the log's tail)."""
+        if result.ok and self.child.release(time.monotonic() + self.profile.timeout_s):
+            return result
+        log, reason = self.child.close(logs)
+        self.child = None
+        return _with_reason(result, log, reason)
+
+    def close(self, logs: Path | None = None) -> None:
+        if self.child is not None:
+            self.child.close(logs)
+            self.child = None
+
+
 def run_sessions(harness: Harness, tree: Path, profile: Profile, world: int, sessions: list[Session], logs: Path,
                  files_in: dict[str, Path] | None = None, files_out: dict[str, Path] | None = None,
-                 baselines: dict[str, tuple[Path, Session]] | None = None) -> dict[str, SessionResult]:
+                 baselines: dict[str, Baseline] | None = None) -> dict[str, SessionResult]:
     """Run `sessions` in order on children of `world` ranks running `harness`; a failed session
     ends its child.
 
     `files_in` are copied into each child's scratch under their keys before it starts (weights);
     `files_out` are copied back from the last child's scratch at the end, if it wrote them.
-    `baselines` maps a session name to (the starter's tree, its session): that session is timed
-    in turns with the starter's, run by a one-rank child of its own; its result is returned
-    under "<name>-starter".
+    `baselines` maps a session name to the starter's `Baseline`: that session is timed in turns
+    with the starter's; its result is returned under "<name>-starter".
     """
     logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, SessionResult] = {}
@@ -219,16 +268,11 @@ def run_sessions(harness: Harness, tree: Path, profile: Profile, world: int, ses
             if child is None:
                 children += 1
                 child = Child(f"child-{children}", tree, harness, profile, world, len(sessions) - i, files_in or {})
-            baseline = None
-            if session.name in (baselines or {}):
-                base_tree, base_session = baselines[session.name]
-                needed = {k: v for k, v in (files_in or {}).items() if k == base_session.spec.get("weights_in")}
-                baseline = (Child(f"starter-{session.name}", base_tree, harness, profile, 1, 1, needed), base_session)
-            result, base_result = child.run(session, baseline)
+            starter = (baselines or {}).get(session.name)
+            result, base_result = child.run(session, starter and (starter.next_child(), starter.session))
             results[session.name] = result
-            if baseline is not None:
-                log, reason = baseline[0].close(logs)
-                results[f"{session.name}-starter"] = _with_reason(base_result, log, reason)
+            if starter is not None:
+                results[f"{session.name}-starter"] = starter.done(base_result, logs)
             if not result.ok:
                 log, reason = child.close(logs)
                 child = None

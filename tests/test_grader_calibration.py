@@ -7,10 +7,12 @@ second grading job (another seed) gives the same scores.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import pytest
 
+from grader import runner
 from grader.a1 import A1, scoring
 from grader.a1.demo import MANIFEST, SOLUTIONS, build_cohort
 from grader.a1.job import new_job
@@ -46,13 +48,21 @@ def graded(tmp_path_factory):
     """The example cohort graded once (code parts only: the notebook has its own tests)."""
     out = tmp_path_factory.mktemp("calibration")
     rubric = load_rubric()
+    started = collections.Counter()
+    start_child = runner.Child.__init__
+
+    def counting(self, name, *args, **kwargs):
+        started[name.split("-")[0]] += 1
+        start_child(self, name, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(scoring, "STEPS", [scoring.grade_moe, scoring.grade_ep, scoring.grade_pp])
+        mp.setattr(runner.Child, "__init__", counting)
         job = new_job(rubric, "cpu-tiny", out / "work", out / "starter-logs", seed=1234)
         build_cohort(out / "cohort")
         results = grade_cohort(A1, out / "cohort", job, out / "results", progress=False)
     full = {key: part.points for key, part in rubric.parts.items()}
-    return {r["extra_data"]["submission"]: r for r in results}, full, out
+    return {r["extra_data"]["submission"]: r for r in results}, full, out, started
 
 
 def _scores(results: dict) -> dict[str, float]:
@@ -64,7 +74,7 @@ def _scores(results: dict) -> dict[str, float]:
 @pytest.mark.slow
 @pytest.mark.dist
 def test_calibration(graded):
-    results, full, _ = graded
+    results, full, _, started = graded
     zero = dict.fromkeys(PARTS, 0)
     assert _scores(results["starter-unchanged"]) == zero
     for name, part in (("part1-moe", "moe"), ("part2-ep", "ep"), ("part3-pp", "pp")):
@@ -78,6 +88,9 @@ def test_calibration(graded):
     numbers = {name: r["extra_data"]["numbers"] for name, r in results.items()}
     ratios = {name: n["expert_traffic_ratio"] for name, n in numbers.items()}
     assert ratios["reference-full"] < 0.25 < ratios["starter-unchanged"]
+    # every submission's MoE was timed beside the same starter child (one start for the cohort),
+    # and each submission ran in children of its own
+    assert started["starter"] == 1 and started["child"] >= len(results), started
     assert numbers["part3-pp"]["pp_traffic_mb_per_step"] > 0
 
 
@@ -88,7 +101,7 @@ def test_grading_twice_gives_the_same_score(graded, monkeypatch):
     """Part 1 of part1-moe (its timed layer and whole step) under another seed: other inputs, other
     timings, the same score. Parts 2 and 3 are left out: the calibration test covers them, and their
     layouts' runs would cost this test a fifth more time."""
-    results, _, out = graded
+    results, _, out, _ = graded
     monkeypatch.setattr(scoring, "STEPS", [scoring.grade_moe])
     job = new_job(load_rubric(), "cpu-tiny", out / "work2", out / "starter-logs2", seed=4321)
     again = grade_one(A1, out / "cohort" / "part1-moe", job, out / "again")

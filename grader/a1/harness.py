@@ -11,7 +11,9 @@ Protocol, one JSON object per line. The parent first sends the child's setup (`w
 Then sessions, one after another: `{"session": spec}` is answered `{"ready": info}` or
 `{"error": ...}`; for each workload the parent starts its clock, sends `{"seed": s}`, and stops
 the clock on the answer `{"digest": ...}`: the inputs exist only from that moment. Closing
-stdin ends the child. After an error the parent discards the child.
+stdin ends the child. After an error the parent discards the child. `{"release": true}` drops
+the session (and its GPU memory) and is answered `{"released": true}`: the starter's child waits
+so between the submissions it is timed beside.
 
 Sessions: "moe" runs one MoE layer forward+backward on `tokens` random tokens (rank 0 only);
 "train" runs optimizer steps of the whole model on 1 rank or on all (gloo or NCCL).
@@ -241,9 +243,14 @@ def _rank_main(config: dict, rank: int, store: str, conn) -> None:
     session = None
     while (msg := conn.recv()) is not None:
         try:
-            if "session" in msg:
+            if "session" in msg or "release" in msg:
                 session = None
                 gc.collect()
+                if config["device"] == "cuda":
+                    torch.cuda.empty_cache()
+                if "release" in msg:
+                    conn.send({"released": True})
+                    continue
                 spec = msg["session"]
                 _check_onenode(config["tree"])
                 session = MoeSession(spec) if spec["kind"] == "moe" else TrainSession(spec, rank, counter)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import random
 import secrets
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..assignment import Job
 from ..errors import GraderError
 from ..rubric import KIT_ROOT
-from ..runner import Harness, Session, SessionResult, run_sessions
+from ..runner import Baseline, Harness, Session, SessionResult, run_sessions
 from ..sandbox import make_private
 from ..submission import pristine_tree
 from .compare import loss_error
@@ -53,6 +54,7 @@ class A1Job(Job):
     profile: A1Profile
     starter_logs: Path  # where the starter's runs leave their logs
     _reference: Reference | None = None
+    _starter_moe: Baseline | None = None
     notebooks: bool = True  # False: code parts only (a GPU node without nbgrader; notebooks graded elsewhere)
 
     def __post_init__(self):
@@ -75,6 +77,17 @@ class A1Job(Job):
         if self._reference is None:
             self._reference = self._run_reference()
         return self._reference
+
+    @property
+    def starter_moe(self) -> Baseline:
+        """The starter's MoE session that each submission's is timed beside, on one child for
+        the whole job (ended with the job)."""
+        if self._starter_moe is None:
+            ref = self.reference
+            session = Session("moe", self.spec("moe", weights_in="moe.pt"), self.moe_seeds)
+            self._starter_moe = Baseline(ref.tree, self.harness, self.profile, session, {"moe.pt": ref.moe_weights})
+            weakref.finalize(self, self._starter_moe.close)
+        return self._starter_moe
 
     def world(self) -> int:
         """Ranks of the job's children: enough for the widest layout."""

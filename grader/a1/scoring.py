@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..assignment import Graded
 from ..errors import GraderError
-from ..runner import Session, SessionResult, run_sessions
+from ..runner import SessionResult, run_sessions
 from ..submission import Submission, load_submission, patched_tree
 from .compare import loss_error, moe_error
 from .job import A1Job
@@ -254,11 +254,10 @@ def grade(job: A1Job, path: Path, work: Path, logs: Path) -> Graded:
     tree = patched_tree(submission, work / "tree")
     ref = job.reference
     reads = {name for step in STEPS for name in READS[step]}
-    starter_moe = Session("moe", job.spec("moe", weights_in="moe.pt"), job.moe_seeds)
     runs = run_sessions(job.harness, tree, job.profile, job.world(),
                         [session for session in job.sessions() if session.name in reads], logs,
                         files_in={"moe.pt": ref.moe_weights, "model.pt": ref.model_weights},
-                        baselines={"moe": (ref.tree, starter_moe)} if "moe" in reads else None)
+                        baselines={"moe": job.starter_moe} if "moe" in reads else None)
     starter = runs.get("moe-starter")
     if "moe" in runs and runs["moe"].ok and (starter is None or not starter.ok):
         why = starter.error if starter else "it did not start"
