@@ -97,7 +97,7 @@ def test_compiled_chunk_math_equals_eager():
     target = torch.randint(0, 50, (6,), generator=gen)
     kept = torch.tensor([True, True, False, True, True, False])
     eager = chunk_loss_and_logit_grad(logits, target, kept)
-    compiled = torch.compile(chunk_loss_and_logit_grad, fullgraph=True, backend="aot_eager")(logits, target, kept)
+    compiled = torch.compile(chunk_loss_and_logit_grad, fullgraph=True, backend="eager")(logits, target, kept)
     want = torch.nn.functional.cross_entropy(logits.float()[kept], target[kept], reduction="sum")
     torch.testing.assert_close(eager[0], want)
     for got in (eager, compiled):
