@@ -176,6 +176,9 @@ def main() -> int:
                         help="also run the solution as commit REV had it (repeatable)")
     parser.add_argument("--before-tree", action="append", default=[],
                         help="such a solution, prebuilt by --prepare --before REV (repeatable)")
+    parser.add_argument("--before-layouts", nargs="+", default=["eager"], choices=["eager", "compiled", "best"],
+                        help="the layouts each earlier solution runs in: eager and compiled at --micro-batch, "
+                             "best as solution-best (default: eager)")
     parser.add_argument("--prepare", action="store_true", help="build the patched copies, print their folders, stop")
     parser.add_argument("--commit", default=None,
                         help="the kit's commit, for a machine where the tree arrives without .git "
@@ -206,7 +209,10 @@ def main() -> int:
         ("starter", starter, one),
         ("transformers", solution, [*one, "--impl", "transformers", "--experts-implementation", "grouped_mm"]),
     ]
-    runs += [(tree.name.removeprefix("solution-"), tree, one) for tree in befores]
+    layouts = {"eager": one, "compiled": [*one, "--compile", "blocks"],
+               "best": [*best, "--compile", "blocks", "--activation-checkpointing"]}
+    runs += [(tree.name.removeprefix("solution-") + ("" if layout == "eager" else f"-{layout}"), tree, layouts[layout])
+             for tree in befores for layout in args.before_layouts]
     if mamba_ssm_imports(bench_env(solution)):
         runs.append(("solution-mamba-ssm", solution, [*one, "--mamba-kernel", "mamba_ssm"]))
     if args.only:

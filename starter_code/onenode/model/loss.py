@@ -48,8 +48,10 @@ def _compiled_chunk_math():
 
 
 def _chunk_math(logits: torch.Tensor):
-    """Compiled on a GPU (Triton fuses the passes over the [n, vocab] chunk), eager elsewhere."""
-    return _compiled_chunk_math() if logits.is_cuda else chunk_loss_and_logit_grad
+    """Compiled on a GPU with Triton (it fuses the passes over the [n, vocab] chunk), eager elsewhere."""
+    from torch.utils._triton import has_triton
+
+    return _compiled_chunk_math() if logits.is_cuda and has_triton() else chunk_loss_and_logit_grad
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
