@@ -30,15 +30,22 @@ def chunk_loss_and_logit_grad(logits: torch.Tensor, target: torch.Tensor, kept: 
     gradient with respect to the logits, softmax - one_hot, zero on rows not `kept`, in the logits'
     dtype.
 
-    Written as one reduction and one elementwise pass, so that compiled (`_chunk_math`, on a GPU)
-    it reads the logits twice and writes the gradient once: no float32 copy of the chunk."""
+    Compiled (`_chunk_math`, on a GPU) it is one reduction and one elementwise pass: the logits are
+    read twice and the gradient written once, with no float32 copy of the chunk. Eager, the same
+    math runs in place on the float32 logits (an elementwise form would allocate several copies):
+    float32 `logits` are overwritten, as the head's own temporary may be."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     loss = ((lse - x.gather(1, target[:, None])).squeeze(1) * kept).sum()
     if not with_grad:
         return loss, None
-    is_target = torch.arange(x.shape[-1], device=x.device) == target[:, None]
-    grad = (torch.exp(x - lse) - is_target.to(x.dtype)) * kept[:, None]
+    if torch.compiler.is_compiling():
+        is_target = torch.arange(x.shape[-1], device=x.device) == target[:, None]
+        grad = (torch.exp(x - lse) - is_target.to(x.dtype)) * kept[:, None]
+    else:
+        grad = x.sub_(lse).exp_()
+        grad.scatter_add_(1, target[:, None], torch.full_like(target[:, None], -1, dtype=grad.dtype))
+        grad.mul_(kept[:, None])
     return loss, grad.to(logits.dtype)
 
 
