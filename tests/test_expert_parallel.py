@@ -7,7 +7,7 @@ so EP drives the grouped experts), through `patched_copy.run_in_tree`.
 from __future__ import annotations
 
 import pytest
-from dist_utils import run_distributed
+from dist_utils import assert_same_training, run_distributed
 from patched_copy import patched_tree, run_in_tree
 
 STEPS = 3
@@ -95,17 +95,6 @@ def run_layout(dp: int, ep: int) -> dict:
     return merged
 
 
-def _assert_same_training(reference: dict, candidate: dict, what: str) -> None:
-    import torch
-
-    assert candidate["losses"] == pytest.approx(reference["losses"], rel=1e-5), f"{what}: losses differ"
-    assert candidate["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4), f"{what}: grad norms differ"
-    assert set(candidate["grads"]) == set(reference["grads"]), f"{what}: different parameters"
-    for name, grad in reference["grads"].items():
-        torch.testing.assert_close(torch.tensor(candidate["grads"][name]), torch.tensor(grad),
-                                   rtol=1e-3, atol=1e-6, msg=lambda m, name=name: f"{what}, gradient of {name}: {m}")
-
-
 def compare_layouts(layouts: list[list[int]]) -> dict:
     """One process, then each (dp, ep) layout, in this tree: the runs, for the parent to compare."""
     return {"reference": run_layout(1, 1), **{f"dp={dp} ep={ep}": run_layout(dp, ep) for dp, ep in layouts}}
@@ -120,7 +109,24 @@ def test_ep_trains_like_one_process(parts, layouts):
     runs = run_in_tree(patched_tree(parts), "test_expert_parallel:compare_layouts", layouts=layouts)
     reference = runs.pop("reference")
     for layout, run in runs.items():
-        _assert_same_training(reference, run, f"{layout} with {'+'.join(parts)}")
+        assert_same_training(reference, run, f"{layout} with {'+'.join(parts)}")
+
+
+def test_training_comparison_sees_a_misplaced_gradient_through_float32_noise():
+    """The comparison above passes what float32 sums in another order leave (1e-4 of each gradient's
+    scale) and fails a sign flip or two experts' gradients swapped."""
+    import torch
+
+    experts = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    reference = {"losses": [2.0], "grad_norms": [1.0], "grads": {"experts": experts.tolist()}}
+
+    def run(grads):
+        return {"losses": [2.0], "grad_norms": [1.0], "grads": {"experts": grads.tolist()}}
+
+    assert_same_training(reference, run(experts + 1e-4 * experts.abs().max()), "noise")
+    for what, wrong in (("sign flip", -experts), ("swapped experts", experts[[1, 0, 2, 3]])):
+        with pytest.raises(AssertionError, match="gradient of experts"):
+            assert_same_training(reference, run(wrong), what)
 
 
 def _bfloat16_step() -> float:

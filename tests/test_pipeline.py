@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from dist_utils import run_distributed
+from dist_utils import assert_same_training, run_distributed
 from patched_copy import patched_tree, run_in_tree
 from test_expert_parallel import _global_grads  # full gradients under the one-process names
 
@@ -191,16 +191,6 @@ def error_messages() -> list[str]:
 
 
 # -- assertions -------------------------------------------------------------------------------
-def _assert_same_training(reference: dict, candidate: dict, what: str) -> None:
-    import torch
-
-    assert candidate["losses"] == pytest.approx(reference["losses"], rel=1e-5), f"{what}: losses differ"
-    assert candidate["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4), f"{what}: grad norms differ"
-    for name, grad in candidate["grads"].items():
-        torch.testing.assert_close(torch.tensor(grad), torch.tensor(reference["grads"][name]), rtol=1e-4, atol=1e-7,
-                                   msg=lambda m, name=name: f"{what}, gradient of {name}: {m}")
-
-
 def _merge_ranks(ranks: list[dict]) -> dict:
     """One result from the ranks of a pipeline: the loss from the last stage, grads from all."""
     last = [r for r in ranks if r["losses"][0] is not None]
@@ -217,7 +207,7 @@ def _check_cases(result: dict, pp: int, cases: list) -> None:
         ranks = [rank_results[i] for rank_results in result["ranks"]]
         merged = _merge_ranks(ranks)
         assert set(merged["grads"]) == set(reference["grads"]), f"{what}: the stages do not hold every parameter"
-        _assert_same_training(reference, merged, what)
+        assert_same_training(reference, merged, what)
         norms = {tuple(r["grad_norms"]) for r in ranks}
         assert len(norms) == 1, f"{what}: ranks disagree on the global gradient norm"
         held = sorted(i for r in ranks for layers in r["layers"] for i in layers)
@@ -301,7 +291,7 @@ def test_pipeline_composes_with_fsdp_and_expert_parallel(parts, dp, ep):
     last = [r["losses"] for r in ranks if r["losses"][0] is not None]
     merged["losses"] = [sum(step) / len(last) for step in zip(*last)]
     assert set(merged["grads"]) == set(reference["grads"]), "the stages do not hold every parameter"
-    _assert_same_training(reference, merged, f"pp=2 x dp={dp} (ep={ep})")
+    assert_same_training(reference, merged, f"pp=2 x dp={dp} (ep={ep})")
 
 
 @pytest.mark.dist
