@@ -67,3 +67,13 @@ def test_extras_table_matches_pyproject():
             name = requirement.split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip()
             declared[name.lower().replace("-", "_")] = extra
     assert cli.EXTRAS == declared
+
+
+def test_a_run_imports_its_own_subcommand_alone(subcommand, monkeypatch):
+    """`onenode probe` does not import the other subcommands' modules (each costs its imports at
+    every start); `onenode --help` still lists them all."""
+    subcommand(REGISTER + "def run(args):\n    return 0\n")
+    monkeypatch.setitem(cli.SUBCOMMANDS, "other", "onenode.no_such_module")
+    assert cli.main(["probe"]) == 0
+    with pytest.raises(ModuleNotFoundError, match="no_such_module"):
+        cli.build_parser()

@@ -40,12 +40,17 @@ def _raise(error: ModuleNotFoundError, args: argparse.Namespace) -> int:
     raise error
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every subcommand; one whose module lacks an optional dependency is listed as unavailable
-    (and says what to install when run), so it never breaks the others."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand, or, given `command`, that one's module alone imported (the others are
+    listed by name): a run pays for its own subcommand's imports, not for every module's. One
+    whose module lacks an optional dependency is listed as unavailable (and says what to install
+    when run), so it never breaks the others."""
     parser = argparse.ArgumentParser(prog="onenode", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in SUBCOMMANDS.items():
+        if command is not None and name != command:
+            subparsers.add_parser(name)
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
@@ -63,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # e.g. "expert parallelism on"
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv and argv[0] in SUBCOMMANDS else None)
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
