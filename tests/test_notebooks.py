@@ -143,3 +143,14 @@ def test_a2_answers_pass_every_test_and_the_points_are_the_rubrics(monkeypatch):
     for cell in graded:
         if cell.cell_type == "code":
             exec(cell.source, dict(namespace))
+
+
+def test_a_failed_nbgrader_step_is_one_line_that_names_it():
+    """In-process nbgrader steps fail as a NotebookError of one line, not nbgrader's traceback."""
+    pytest.importorskip("nbgrader")
+    from grader import notebook
+
+    with pytest.raises(notebook.NotebookError) as failed:
+        notebook.nbgrader_api(notebook._template("a1"), "autograde", "a1", "nobody")
+    message = str(failed.value)
+    assert "\n" not in message and message.startswith("nbgrader autograde a1 nobody failed in "), message
