@@ -16,7 +16,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..data.tokenizer import EOT, Tokenizer, TokenizerError, load_tokenizer
 
@@ -156,12 +155,19 @@ def _make_lm_class():
                 ids = torch.zeros(len(rows), width, dtype=torch.long)
                 for b, row in enumerate(rows):
                     ids[b, :len(row)] = torch.tensor(row)  # right padding never reaches earlier positions
-                logprobs = F.log_softmax(self.model(ids.to(self.device_)).logits.float(), dim=-1).cpu()
-                for b, (i, (first, continuation)) in enumerate(zip(chunk, spans)):
-                    target = torch.tensor(continuation)
-                    scores = logprobs[b, first:first + len(continuation)]
-                    greedy = bool((scores.argmax(-1) == target).all())
-                    results[i] = (float(scores.gather(-1, target[:, None]).sum()), greedy)
+                # Only the continuations' positions are scored, each row's as a view of the logits:
+                # the log-softmax and the greedy check stay on the model's device, and the host gets
+                # two numbers per request (the whole batch's float32 log-probabilities, padding
+                # included, used to be copied to it).
+                logits = self.model(ids.to(self.device_)).logits
+                totals, greedy = [], []
+                for b, (first, continuation) in enumerate(spans):
+                    scores = logits[b, first:first + len(continuation)].float()
+                    target = torch.tensor(continuation, device=scores.device)
+                    totals.append(torch.log_softmax(scores, -1).gather(-1, target[:, None]).sum())
+                    greedy.append((scores.argmax(-1) == target).all())
+                for i, total, all_greedy in zip(chunk, torch.stack(totals).tolist(), torch.stack(greedy).tolist()):
+                    results[i] = (total, all_greedy)
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
             return results
 
