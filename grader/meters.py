@@ -1,4 +1,4 @@
-"""What the grader reads about a running child from outside it: CPU time, GPU memory, NVLink traffic.
+"""What the grader reads about a running child from outside it: resident memory, GPU memory, NVLink traffic.
 
 None of these pass through the child: the kernel's /proc and the NVIDIA driver (through
 `nvidia-smi`) answer the grader directly, so a submission cannot edit them from inside its own
@@ -8,27 +8,29 @@ network namespace (gloo on CPU) comes from the sandbox (`SandboxedProcess.networ
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _NVLINK_TX = re.compile(r"Link \d+: Data Tx: (\d+) KiB")
 
 
-def cpu_seconds(pids: Iterable[int]) -> dict[int, float]:
-    """User + system CPU seconds each live process has used so far (/proc/<pid>/stat)."""
-    seconds = {}
+def resident_bytes(pids: Iterable[int]) -> dict[int, int]:
+    """Bytes of memory each live process has resident now (VmRSS of /proc/<pid>/status: its
+    anonymous, file-backed and shared-memory pages alike, shared ones counted in every process
+    that maps them)."""
+    resident = {}
     for pid in pids:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            status = Path(f"/proc/{pid}/status").read_text()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        seconds[pid] = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime
-    return seconds
+        found = next((line for line in status.splitlines() if line.startswith("VmRSS:")), None)
+        if found is not None:  # a zombie has none
+            resident[pid] = int(found.split()[1]) * 1024
+    return resident
 
 
 def _nvidia_smi(*args: str) -> str | None:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .meters import cpu_seconds, nvlink_tx_bytes
+from .meters import nvlink_tx_bytes, resident_bytes
 from .rubric import Profile
 from .sandbox import Limits, SandboxedProcess, SandboxError, make_scratch, spawn_sandboxed
 
@@ -53,9 +53,9 @@ class SessionResult:
     seconds: list[float] = field(default_factory=list)  # per workload, measured by the grader
     # Per workload, read by the grader from outside the child (meters.py, sandbox.py): bytes the
     # child's processes sent each other (its loopback on CPU, NVLink on GPU; None: not observable
-    # here), and the most CPU seconds any one of its processes used.
+    # here), and the most memory any one of its processes had resident once the workload was done.
     traffic: list[int | None] = field(default_factory=list)
-    busiest_cpu_s: list[float] = field(default_factory=list)
+    resident: list[int] = field(default_factory=list)
     gpu_memory: int | None = None  # the most GPU memory one of its processes held, after the session
     setup_s: float = 0.0  # from the session spec to "ready"
     error: str | None = None
@@ -148,14 +148,14 @@ class Child:
         return self.proc.network_bytes()
 
     def step(self, result: SessionResult, seed: int, deadline: float) -> None:
-        traffic, cpu = self.traffic(), cpu_seconds(self.proc.pids())
+        traffic = self.traffic()
         reply, seconds = self.ask({"seed": seed}, deadline)
         if "digest" in reply:
-            after, cpu_after = self.traffic(), cpu_seconds(self.proc.pids())
+            after = self.traffic()
             result.digests.append(reply["digest"])
             result.seconds.append(seconds)
             result.traffic.append(None if traffic is None or after is None else after - traffic)
-            result.busiest_cpu_s.append(max((t - cpu.get(pid, 0.0) for pid, t in cpu_after.items()), default=0.0))
+            result.resident.append(max(resident_bytes(self.proc.pids()).values(), default=0))
         else:
             result.error = reply.get("error") or DIED
 

@@ -92,6 +92,10 @@ def test_calibration(graded):
     # and each submission ran in children of its own
     assert started["starter"] == 1 and started["child"] >= len(results), started
     assert numbers["part3-pp"]["pp_traffic_mb_per_step"] > 0
+    # ...and, on cpu-tiny, what the busiest pipeline rank holds: about half the model's state
+    shares = {name: numbers[name]["pp_state_share"] for name in ("part3-pp", "reference-full")}
+    assert all(0.3 < share <= load_rubric().profile("cpu-tiny").pipeline_memory["max_state_share"]
+               for share in shares.values()), shares
 
 
 @needs_solutions

@@ -4,7 +4,7 @@
 import subprocess
 import sys
 
-from grader.meters import cpu_seconds, parse_gpu_memory, parse_nvlink_tx
+from grader.meters import parse_gpu_memory, parse_nvlink_tx, resident_bytes
 
 NVLINK = """GPU 0: NVIDIA H200 (UUID: GPU-01c70b85-3043-b787-99f4-ff828a044d51)
 \t Link 0: Data Tx: 584652 KiB
@@ -17,22 +17,22 @@ GPU 1: NVIDIA H200 (UUID: GPU-85c898c9-d2c3-c7cc-cf40-72f4250b92a8)
 """
 
 
-BURN = "import time\nwhile time.process_time() < 0.5: pass\nprint('done', flush=True)\ntime.sleep(60)"
+HOLD = "b = bytearray(200 * 2**20)\nprint('held', flush=True)\nimport time; time.sleep(60)"
 
 
-def test_cpu_seconds_counts_a_busy_process_and_skips_dead_ones():
-    """The burner stops at 0.5 s of its own CPU time, however busy the machine is."""
-    busy = subprocess.Popen([sys.executable, "-c", BURN], stdout=subprocess.PIPE, text=True)
-    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+def test_resident_bytes_sees_memory_a_process_holds_and_skips_dead_ones():
+    """A process that filled 200 MiB holds about that much more than an idle interpreter."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD], stdout=subprocess.PIPE, text=True)
+    idle = subprocess.Popen([sys.executable, "-c", "import time; print('idle', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
     try:
-        assert busy.stdout.readline().strip() == "done"
-        seconds = cpu_seconds([busy.pid, idle.pid, 2**22 + 7])
+        assert holder.stdout.readline().strip() == "held" and idle.stdout.readline().strip() == "idle"
+        resident = resident_bytes([holder.pid, idle.pid, 2**22 + 7])
     finally:
-        busy.kill()
+        holder.kill()
         idle.kill()
-    assert set(seconds) == {busy.pid, idle.pid}
-    assert 0.45 <= seconds[busy.pid] < 5  # /proc counts whole clock ticks (10 ms)
-    assert seconds[idle.pid] < 0.4
+    assert set(resident) == {holder.pid, idle.pid}
+    assert resident[holder.pid] - resident[idle.pid] >= 190 * 2**20  # the two interpreters differ by kilobytes
 
 
 def test_nvidia_smi_readings_parse():

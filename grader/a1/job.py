@@ -46,6 +46,10 @@ class Reference:
     ep: SessionResult | None  # the starter in the ep layout: the traffic and step time to beat
     moe_weights: Path
     model_weights: Path
+    # with the profile's pipeline_memory: the starter on one rank with its overrides (the pp
+    # layout's losses, step time and memory are compared with it); else None (`train` serves)
+    pp_train: SessionResult | None = None
+    pp_weights: Path | None = None
 
 
 @dataclass
@@ -93,31 +97,44 @@ class A1Job(Job):
         """Ranks of the job's children: enough for the widest layout."""
         return max(layout["world"] for layout in self.profile.layouts.values())
 
+    def _train(self, name: str, layout: str, save: bool = False) -> Session:
+        """A training session in `layout` that loads its weights, or with `save` writes them (the
+        starter's one-rank runs); the pp layout's model (and the starter's one-rank run of it,
+        "pp-reference") takes the profile's pipeline_memory overrides."""
+        p = self.profile
+        big = p.pipeline_memory is not None and name in ("pp", "pp-reference")
+        weights = "model-pp.pt" if big else "model.pt"
+        spec = self.spec("train", layout=p.layouts[layout], **{"weights_out" if save else "weights_in": weights},
+                         **({"overrides": {**p.overrides, **p.pipeline_memory["overrides"]}} if big else {}))
+        return Session(name, spec, self.train_seeds)
+
     def sessions(self, starter: bool = False) -> list[Session]:
         """Part 1's MoE session, then a training session per layout. The starter's sessions save
-        the weights (and skip pp, which cannot work there); a submission's load them."""
+        the weights (and skip pp, which cannot work there: with pipeline_memory it runs the pp
+        layout's model on one rank instead); a submission's load them."""
         p = self.profile
         if starter:
             sessions = [Session("moe", self.spec("moe", weights_out="moe.pt"), self.moe_seeds)]
             if p.dtype != "float32":
                 exact = self.spec("moe", weights_in="moe.pt", compute_dtype="float32")
                 sessions.append(Session("moe-exact", exact, self.moe_seeds))
-            layout = self.spec("train", layout=p.layouts["reference"], weights_out="model.pt")
-            sessions.append(Session("reference", layout, self.train_seeds))
-            layouts = ["ep"]
-        else:
-            sessions = [Session("moe", self.spec("moe", weights_in="moe.pt"), self.moe_seeds)]
-            layouts = ["reference", "ep", "pp"]
-        return sessions + [Session(name, self.spec("train", layout=p.layouts[name], weights_in="model.pt"),
-                                   self.train_seeds) for name in layouts if name in p.layouts]
+            sessions.append(self._train("reference", "reference", save=True))
+            if "ep" in p.layouts:
+                sessions.append(self._train("ep", "ep"))
+            if p.pipeline_memory is not None and "pp" in p.layouts:
+                sessions.append(self._train("pp-reference", "reference", save=True))
+            return sessions
+        sessions = [Session("moe", self.spec("moe", weights_in="moe.pt"), self.moe_seeds)]
+        return sessions + [self._train(name, name) for name in ("reference", "ep", "pp") if name in p.layouts]
 
     def _run_reference(self) -> Reference:
         """The unpatched starter through the same harness; its own runs must agree."""
         tree = pristine_tree(self.workdir / "starter")
         logs = self.starter_logs
         moe_weights, model_weights = self.workdir / "moe.pt", self.workdir / "model.pt"
+        pp_weights = self.workdir / "model-pp.pt"
         runs = run_sessions(self.harness, tree, self.profile, self.world(), self.sessions(starter=True), logs,
-                            files_out={"moe.pt": moe_weights, "model.pt": model_weights})
+                            files_out={"moe.pt": moe_weights, "model.pt": model_weights, "model-pp.pt": pp_weights})
         for name, run in runs.items():
             if not run.ok:
                 raise GraderError(f"the unpatched starter's {name} session failed ({run.error}): see {logs}")
@@ -133,7 +150,9 @@ class A1Job(Job):
                                   "cannot observe it (a network namespace on CPU, nvidia-smi's NVLink counters "
                                   "on GPU are needed; docs/SECURITY.md)")
         exact = runs.get("moe-exact", runs["moe"])
-        return Reference(tree, runs["moe"], exact, runs["reference"], ep, moe_weights, model_weights)
+        pp_train = runs.get("pp-reference")
+        return Reference(tree, runs["moe"], exact, runs["reference"], ep, moe_weights, model_weights, pp_train,
+                         pp_weights if pp_train is not None else None)
 
 
 def new_job(rubric: A1Rubric, profile_name: str, workdir: Path, starter_logs: Path, seed: int | None = None,

@@ -60,6 +60,10 @@ class A1Profile(Profile):
     max_expert_traffic: float
     pipeline_traffic: list
     layouts: dict = field(default_factory=dict)
+    # {"overrides": {...}, "max_state_share": x}: the pp layout then trains the model with these
+    # overrides (a vocabulary large enough that model state dominates a rank's memory), and its
+    # busiest rank may hold at most that share of the whole model's state (docs/SECURITY.md)
+    pipeline_memory: dict | None = None
 
     def speed_share(self, measurement: str, speedup: float) -> float:
         return speed_share(speedup, *self.speed[measurement])

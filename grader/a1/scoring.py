@@ -169,7 +169,9 @@ def grade_ep(ctx: Context) -> None:
 def grade_pp(ctx: Context) -> None:
     """Part 3: the pp layout trains like the reference, and what travels between its ranks is
     activations, not weights: at least the stage boundaries' activations, at most a share of
-    what plain data parallelism (the starter's ep layout) moves."""
+    what plain data parallelism (the starter's ep layout) moves. With the profile's
+    pipeline_memory, its busiest rank also holds at most a share of the whole model's state, read
+    by the grader from outside the child (a rank that trains the whole model holds all of it)."""
     job, part, profile = ctx.job, ctx.job.rubric.parts["pp"], ctx.job.profile
     if "pp" not in profile.layouts:
         return _not_on_profile(ctx, part, "pp")
@@ -179,7 +181,8 @@ def grade_pp(ctx: Context) -> None:
         reason = f"pp={layout['pp']} does not train: {run.error}"
         ctx.tests += part.tests((0, 0, 0), (reason,) * 3)
         return
-    error = loss_error(ref.train.digests, run.digests)
+    one_rank = ref.pp_train or ref.train  # the starter on one rank, on the pp layout's model
+    error = loss_error(one_rank.digests, run.digests)
     activations = activation_bytes(profile, layout["pp"])
     data_parallel = _traffic(ref.ep, profile.warmup) if ref.ep is not None else math.inf
     yours = _traffic(run, profile.warmup)
@@ -189,10 +192,32 @@ def grade_pp(ctx: Context) -> None:
     feature = (f"traffic between the ranks per step, read by the grader: {yours / 2**20:.3f} MiB; the stage "
                f"boundaries pass on {activations / 2**20:.3f} MiB of activations (at least {low:g}x of them must "
                f"move), plain data parallelism moves {data_parallel / 2**20:.2f} MiB (at most {high:g}x of it may)")
-    speedup, timing = _step_numbers(ctx, run, ref.train, "pp")
+    if profile.pipeline_memory is not None:
+        share, line = _state_share(profile, run, one_rank)
+        ctx.numbers["pp_state_share"] = share
+        fixed = fixed and share <= profile.pipeline_memory["max_state_share"]
+        feature += f"; {line}"
+    speedup, timing = _step_numbers(ctx, run, one_rank, "pp")
     _award(ctx, part, error <= profile.train_rtol, fixed, profile.speed_share("pp_step", speedup),
            _checked(run, error, profile.train_rtol), feature, timing,
-           "the traffic between the ranks is not a pipeline's (activations between stages, weights staying put)")
+           "the traffic between the ranks or the memory each holds is not a pipeline's (activations between "
+           "stages, each stage's weights on its own ranks)")
+
+
+def _state_share(profile: A1Profile, run: SessionResult, one_rank: SessionResult) -> tuple[float, str]:
+    """The share of the whole model's state (float32 weights, gradients and two AdamW moments: 16
+    bytes a parameter; pipeline_memory is set on float32 profiles only) that the pp layout's
+    busiest process holds beyond what the starter's one-rank run holds besides that state, and a
+    line for the feedback."""
+    from onenode.model import count_parameters
+
+    state = 16 * count_parameters(_profile_config(profile, profile.pipeline_memory["overrides"]))[0]
+    besides = max(one_rank.resident) - state
+    share = (max(run.resident) - besides) / state
+    return share, (f"memory, read by the grader: your busiest rank held {max(run.resident) / 2**20:,.0f} MiB, the "
+                   f"starter's one-rank run {max(one_rank.resident) / 2**20:,.0f} MiB, of which the whole model's "
+                   f"state is {state / 2**20:,.0f} MiB: your busiest rank holds {share:.2f} of a whole model's "
+                   f"state (at most {profile.pipeline_memory['max_state_share']:g} passes)")
 
 
 def grade_notebook(ctx: Context) -> None:
@@ -214,10 +239,10 @@ def _median_timed(run: SessionResult, warmup: int) -> float:
 
 
 # -- figures from the PRISTINE kit (never the submission's) ------------------------------------
-def _profile_config(profile: A1Profile):
+def _profile_config(profile: A1Profile, extra: dict | None = None):
     from onenode.model import get_preset
 
-    return get_preset(profile.preset, **profile.overrides)
+    return get_preset(profile.preset, **{**profile.overrides, **(extra or {})})
 
 
 def expert_parameter_share(profile: A1Profile) -> float:
@@ -256,7 +281,8 @@ def grade(job: A1Job, path: Path, work: Path, logs: Path) -> Graded:
     reads = {name for step in STEPS for name in READS[step]}
     runs = run_sessions(job.harness, tree, job.profile, job.world(),
                         [session for session in job.sessions() if session.name in reads], logs,
-                        files_in={"moe.pt": ref.moe_weights, "model.pt": ref.model_weights},
+                        files_in={"moe.pt": ref.moe_weights, "model.pt": ref.model_weights,
+                                  **({"model-pp.pt": ref.pp_weights} if ref.pp_weights else {})},
                         baselines={"moe": job.starter_moe} if "moe" in reads else None)
     starter = runs.get("moe-starter")
     if "moe" in runs and runs["moe"].ok and (starter is None or not starter.ok):

@@ -11,7 +11,6 @@ grader must make of it:
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import io
 import tarfile
@@ -31,7 +30,6 @@ class Case:
     reason: str  # regex over the reason (rejected) or the part's feedback (zero)
     part: str | None = None
     runs: bool = False
-    hole: str | None = None  # an attack that still works: why (the test is a strict xfail until it is closed)
 
 
 # --------------------------------------------------------------------------- patch text
@@ -476,9 +474,9 @@ CASES: list[Case] = [
                             ("experts-averaged-by-broadcast", AVERAGE_BY_BROADCAST),
                             ("experts-averaged-as-dtensor", AVERAGE_AS_DTENSOR))),
     _running("pipeline-returns-whole-model", {f"{STARTER}/parallel/__init__.py": WHOLE_MODEL_PIPELINE},
-             r"^matches, but the traffic between the ranks is not a pipeline's", part="pp"),
-    dataclasses.replace(
-        _running("pipeline-sends-dummy-bytes", {f"{STARTER}/parallel/__init__.py": DUMMY_BYTES_PIPELINE},
-                 r"^matches, but", part="pp"),
-        hole="traffic alone cannot tell it from a pipeline, nor GPU memory as nvidia-smi reads it (docs/SECURITY.md)"),
+             r"^matches, but the traffic between the ranks or the memory each holds is not a pipeline's", part="pp"),
+    # its traffic passes: the memory its busiest rank holds (a whole model's state) is what fails it
+    _running("pipeline-sends-dummy-bytes", {f"{STARTER}/parallel/__init__.py": DUMMY_BYTES_PIPELINE},
+             r"^matches, but the traffic between the ranks or the memory each holds is not a pipeline's"
+             r"[\s\S]*holds (0\.9\d|1\.\d\d) of a whole model's state", part="pp"),
 ]
