@@ -147,3 +147,13 @@ def test_course_node_layouts_on_eight_processes(tmp_path, monkeypatch):
     assert numbers["reference-full"]["expert_traffic_ratio"] < profile.max_expert_traffic
     assert numbers["part3-pp"]["expert_traffic_ratio"] > profile.max_expert_traffic  # its ep layout is plain FSDP
     assert all(t > 0 for t in job.reference.ep.traffic), "the starter's dp=8 FSDP traffic, read from outside"
+
+
+def test_pipeline_memory_is_refused_where_the_grader_cannot_read_it():
+    """Host memory against float32 state, pp layouts with dp = 1: a GPU profile or stages sharded
+    over dp ranks (cpu-8proc) would grade Part 3 on a reading that does not mean what it says."""
+    rubric = load_rubric()
+    memory = rubric.profile("cpu-tiny").pipeline_memory
+    for name in ("h200x2", "cpu-8proc"):
+        with pytest.raises(ValueError, match=f"profile {name}: pipeline_memory"):
+            dataclasses.replace(rubric.profile(name), pipeline_memory=memory)

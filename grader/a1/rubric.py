@@ -65,6 +65,12 @@ class A1Profile(Profile):
     # busiest rank may hold at most that share of the whole model's state (docs/SECURITY.md)
     pipeline_memory: dict | None = None
 
+    def __post_init__(self):
+        if self.pipeline_memory is not None and (self.device != "cpu" or self.dtype != "float32"
+                                                 or self.layouts.get("pp", {}).get("dp", 1) != 1):
+            raise ValueError(f"profile {self.name}: pipeline_memory reads host memory against float32 state, on "
+                             "pp layouts with dp = 1: set it on float32 CPU profiles of that kind only")
+
     def speed_share(self, measurement: str, speedup: float) -> float:
         return speed_share(speedup, *self.speed[measurement])
 
