@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -171,9 +170,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Tools installed beside this interpreter (nbgrader's alembic) must be found from an
-    # unactivated venv too, as in `make demo`.
-    os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

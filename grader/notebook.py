@@ -60,12 +60,18 @@ def student_id(name: str) -> str:
 
 
 # -- nbgrader in a course folder (trusted: no student code runs in these) ------------------------
+def path_with_scripts() -> str:
+    """PATH with this Python's scripts first (once): nbgrader runs `alembic` from there to set up a
+    gradebook, and an unactivated venv (`make demo`) does not put them on PATH."""
+    scripts, path = os.path.dirname(sys.executable), os.environ.get("PATH", "")
+    return path if path.split(os.pathsep)[0] == scripts else os.pathsep.join([scripts, path])
+
+
 def _env(course: Path) -> dict[str, str]:
     """The grader's environment with every Jupyter/IPython folder inside the course, not $HOME,
     and this Python's scripts first on PATH (nbgrader runs `alembic` to set up its database)."""
     jupyter = course / ".jupyter"
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    return {**os.environ, "PATH": path, "JUPYTER_CONFIG_DIR": str(jupyter / "config"),
+    return {**os.environ, "PATH": path_with_scripts(), "JUPYTER_CONFIG_DIR": str(jupyter / "config"),
             "JUPYTER_DATA_DIR": str(jupyter / "data"), "JUPYTER_RUNTIME_DIR": str(jupyter / "runtime"),
             "IPYTHONDIR": str(jupyter / "ipython")}
 
@@ -106,9 +112,7 @@ def nbgrader_api(course: Path, step: str, *args: str, **config) -> str:
     from traitlets.config import Config
     from traitlets.config.loader import PyFileConfigLoader
 
-    scripts = os.path.dirname(sys.executable)  # a new gradebook is set up by running `alembic`
-    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join([scripts, os.environ.get("PATH", "")])
+    os.environ["PATH"] = path_with_scripts()  # a new gradebook is set up by running `alembic`
     settings = PyFileConfigLoader("nbgrader_config.py", path=str(course)).load_config()
     settings.merge(Config(config))
     with warnings.catch_warnings():  # nbgrader's own session bookkeeping warns on every import
