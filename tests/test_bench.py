@@ -3,13 +3,15 @@
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from onenode import cli
 from onenode.flops import model_flops
 from onenode.model import get_preset
-from onenode.profiling import union_us
+from onenode.profiling import time_split, top_kernels, union_us
 
 TINY = ["bench", "--preset", "tiny", "--seq-len", "32", "--steps", "2", "--warmup", "1", "--quiet"]
 
@@ -126,3 +128,34 @@ def test_bench_pipeline_on_two_gloo_ranks(tmp_path):
     record = run_in_tree(patched_tree(["3-pp"]), "test_bench:bench_on_two_ranks",
                          argv=[*TINY, "--pp", "2", "--micro-batch", "2"], out=str(tmp_path / "record.json"))
     _check_two_rank_record(record, dp=1, tokens=2 * 32)  # two stages share one batch of two sequences
+
+
+def test_annotated_ranges_on_the_gpu_timeline_are_not_counted_as_kernels():
+    """The optimizer's `Optimizer.step#...` range spans its kernels on the GPU's timeline: counted
+    as a kernel it doubled their time in the top list and covered the idle gaps between them."""
+    from torch.autograd import DeviceType
+
+    def event(name, start, end, annotation=False):
+        return SimpleNamespace(name=name, key=name, count=1, device_type=DeviceType.CUDA, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start, end=end), self_device_time_total=end - start)
+
+    events = [event("gemm", 0, 10), event("adamw", 20, 30), event("adamw", 40, 50),
+              event("Optimizer.step#AdamW.step", 20, 50, annotation=True)]
+    prof = SimpleNamespace(events=lambda: events, key_averages=lambda: events)
+    cuda = torch.device("cuda")
+    assert [k["name"] for k in top_kernels(prof, cuda)] == ["gemm", "adamw", "adamw"]
+    assert time_split(prof, cuda)["compute_s"] == pytest.approx(30e-6)
+
+
+def test_out_of_memory_is_one_line_that_says_what_to_change(monkeypatch):
+    from onenode import bench
+
+    def too_big(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB. GPU 0 has 139.80 GiB")
+
+    monkeypatch.setattr(bench, "run", too_big)
+    with pytest.raises(SystemExit) as stop:
+        cli.main([*TINY, "--micro-batch", "4"])
+    message = str(stop.value)
+    assert "\n" not in message and "4 x 32 tokens per rank" in message and "CUDA out of memory" in message
+    assert "--micro-batch" in message and "--activation-checkpointing" in message

@@ -358,7 +358,12 @@ def main(args) -> int:
     if args.steps < 1 or args.warmup < 0 or args.micro_batch < 1 or args.seq_len < 1 or args.profile_steps < 1:
         raise SystemExit("onenode bench: --steps, --micro-batch, --seq-len and --profile-steps must be >= 1, "
                          "--warmup >= 0")
-    record = run(args)
+    try:
+        record = run(args)
+    except torch.OutOfMemoryError as error:
+        reason = str(error).split(". ")[0]
+        raise SystemExit(f"onenode bench: out of memory at {args.micro_batch} x {args.seq_len} tokens per rank "
+                         f"({reason}): lower --micro-batch or --seq-len, or add --activation-checkpointing") from None
     if is_main_process():
         print(format_table(record))
         if record["top_kernels"]:

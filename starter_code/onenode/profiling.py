@@ -43,8 +43,15 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _on_device(event) -> bool:
+    """A kernel or copy on the GPU. Ranges the code annotates (the optimizer's
+    `Optimizer.step#AdamW.step`) are mirrored on the GPU's timeline spanning their kernels: counted
+    as kernels they would count those kernels' time twice and cover the idle gaps between them."""
+    return event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+
+
 def _device_kernels(prof) -> list:
-    return [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return [e for e in prof.events() if _on_device(e)]
 
 
 def time_split(prof, device: torch.device) -> dict[str, float]:
@@ -77,7 +84,7 @@ def top_kernels(prof, device: torch.device, limit: int = 15) -> list[dict]:
     """The `limit` kernels (CUDA) or ops (CPU) with the most self time, with their share."""
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     rows = [e for e in prof.key_averages()
-            if (e.device_type == DeviceType.CUDA) == (device.type == "cuda") and getattr(e, key) > 0]
+            if (_on_device(e) if device.type == "cuda" else e.device_type != DeviceType.CUDA) and getattr(e, key) > 0]
     total = sum(getattr(e, key) for e in rows) or 1.0
     rows.sort(key=lambda e: getattr(e, key), reverse=True)
     return [{"name": e.key, "calls": e.count, "self_s": getattr(e, key) / 1e6, "share": getattr(e, key) / total}
