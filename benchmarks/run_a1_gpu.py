@@ -43,7 +43,9 @@ import time
 from pathlib import Path
 
 KIT_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(KIT_ROOT / "tests"), str(KIT_ROOT / "starter_code")]  # works with the kit not installed
+sys.path.insert(0, str(KIT_ROOT / "tests"))
+# The kit's own package, last: a PYTHONPATH (a patched tree's ranks) or an install comes first.
+sys.path.append(str(KIT_ROOT / "starter_code"))
 from patched_copy import git_apply, patched_tree  # noqa: E402  (the kit's helpers: solutions/a1 patches)
 
 LOSS_TOLERANCE = 0.02  # bf16, different kernels: the first losses agree to about 1e-3

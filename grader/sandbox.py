@@ -433,6 +433,10 @@ def sandbox_env(scratch: str | os.PathLike) -> dict[str, str]:
         "PATH": os.pathsep.join([os.path.dirname(sys.executable), "/usr/local/bin", "/usr/bin", "/bin"]),
         "LANG": "C.UTF-8",
         "HOME": str(scratch / "home"),
+        # The leased uid has no passwd entry: getpass.getuser() (torch.compile's cache names)
+        # reads these first, and fails without them.
+        "USER": "onenode-sandbox",
+        "LOGNAME": "onenode-sandbox",
         "TMPDIR": str(scratch / "tmp"),
         "XDG_CACHE_HOME": str(cache_dir),
         "HF_HOME": str(cache_dir / "hf"),

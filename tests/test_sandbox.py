@@ -115,6 +115,15 @@ def test_runs_as_unprivileged_uid_without_new_privileges(scratch):
     assert uid != 0 and ids == f"{uid} {uid} []" and privileges == "1 0 0 0 0"
 
 
+@ROOT_ONLY
+def test_the_leased_uid_has_a_user_name_for_compiler_caches(scratch):
+    """The leased uid has no passwd entry; torch.compile names its caches after getpass.getuser(),
+    which failed there (a GPU grading job's starter sessions stopped on it)."""
+    res = py("import getpass, os; print(os.getuid(), getpass.getuser())", scratch)
+    uid, name = res.stdout.decode().split()
+    assert int(uid) != 0 and name == "onenode-sandbox"
+
+
 # --------------------------------------------------------------------------- limits
 
 
