@@ -6,6 +6,7 @@ the reference A1 patch, `grader.a2.job.a2_stack`).
     python benchmarks/a2_baseline.py benchmarks/results/DATE-h200-a2-baseline-offline   # one H200
     python benchmarks/a2_baseline.py /tmp/a2-baseline-cpu --cpu                         # a CPU, tiny model
     python benchmarks/a2_baseline.py benchmarks/results/DATE-h200-a2-replay --replay   # the replay's cost
+    python benchmarks/a2_baseline.py OUT --set train.compile=true --set train.micro_batch_size=8   # a variant
 
 It needs data/default (`onenode data build --out data/default`: the offline corpus with the GPT-2
 BPE, the baseline's tokenizer). On the GPU: `a2_pretrain/recipes/baseline.yaml` on data/default,
@@ -55,7 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stack", default=None,
                         help="the A2 stack's folder (holding starter_code/), built where git works and carried "
                              "(default: built now, $ONENODE_CACHE/a2-stack/)")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe setting over the job's (repeatable), e.g. train.compile=true: the "
+                             "record's train command shows it")
     args = parser.parse_args(argv)
+    if any("=" not in setting for setting in args.settings):
+        parser.error("--set takes KEY=VALUE, e.g. --set train.micro_batch_size=8")
     sys.path.insert(0, str(KIT_ROOT))
     sys.path.insert(0, str(KIT_ROOT / "starter_code"))
     from onenode.train.logging import environment, git_commit
@@ -75,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = {**overrides, **REPLAY, **({"train.token_budget": 64 * 8 * 64} if args.cpu else {})}
     if args.token_budget:  # last: it holds with --replay too
         overrides = {**overrides, "train.token_budget": args.token_budget}
+    overrides = {**overrides, **dict(setting.split("=", 1) for setting in args.settings)}
     train = [sys.executable, "-m", "onenode.cli", "train", RECIPE, "--out", str(out / "run"), "--fresh",
              *(f"--set={k}={v}" for k, v in overrides.items())]
     evaluate = [sys.executable, "-m", "onenode.cli", "eval", str(out / "run" / "final"), "--suite", "offline",

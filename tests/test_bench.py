@@ -159,3 +159,24 @@ def test_out_of_memory_is_one_line_that_says_what_to_change(monkeypatch):
     message = str(stop.value)
     assert "\n" not in message and "4 x 32 tokens per rank" in message and "CUDA out of memory" in message
     assert "--micro-batch" in message and "--activation-checkpointing" in message
+
+
+def test_step_probes_run_bench_with_one_setting_changed(tmp_path):
+    """benchmarks/step_probes.py: the bench's record with the longer kernel list; on a machine
+    without CUDA the host-sync probe refuses in one line."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_probes.py"
+    out = tmp_path / "probe.json"
+    bench_options = ["--preset", "tiny", "--seq-len", "32", "--steps", "1", "--warmup", "0", "--quiet",
+                     "--profile", str(tmp_path / "prof"), "--out", str(out)]
+    done = subprocess.run([sys.executable, str(script), "loss-chunk", "--logits", "4096", "--", *bench_options],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(json.loads(out.read_text())["top_kernels"]) > 15
+    if not torch.cuda.is_available():
+        refused = subprocess.run([sys.executable, str(script), "host-syncs", "--", *bench_options],
+                                 capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2
+        assert "counts waits for a CUDA GPU: none is visible here" in refused.stderr.splitlines()[-1]

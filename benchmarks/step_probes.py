@@ -1,0 +1,79 @@
+"""`onenode bench` with one thing changed, to test a guess about where a training step's time goes.
+
+Run from a kit tree (a patched copy, for the solution), on a GPU:
+
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py loss-chunk --logits 536870912 -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py tf32 -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py host-syncs -- BENCH_OPTIONS
+
+- `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
+- `tf32`: float32 matmuls (the router, the SSD's cross-chunk carry) on TF32 tensor cores;
+- `host-syncs`: every call that makes the host wait for the GPU, counted by where it was made
+  (`torch.cuda.set_sync_debug_mode`), printed after the bench's table.
+
+The record's top-kernel list holds 80 kernels instead of 15. The results of 2026-12-01 are in
+`benchmarks/results/2026-12-01-h200-{loss-chunk,tf32,host-syncs}/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import sys
+import traceback
+import warnings
+
+import torch
+
+from onenode import bench
+from onenode.cli import main as onenode_main
+from onenode.model import loss
+
+
+def count_host_syncs() -> collections.Counter:
+    """Count each synchronizing call by its innermost seven frames, from now on."""
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename][-7:]
+            sites["\n   <- ".join(f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}"
+                                  for f in reversed(frames))] += 1
+
+    warnings.showwarning = record
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode("warn")
+    return sites
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="%(prog)s PROBE [--logits N] -- BENCH_OPTIONS")
+    parser.add_argument("probe", choices=["loss-chunk", "tf32", "host-syncs"])
+    parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)  # after `--`: the bench's own options
+    args = parser.parse_args(argv[:split])
+    bench.top_kernels = functools.partial(bench.top_kernels, limit=80)
+    sites = None
+    if args.probe == "loss-chunk":
+        if args.logits is None:
+            parser.error("loss-chunk needs --logits, the logits per chunk")
+        loss.CHUNK_LOGITS = args.logits
+    elif args.probe == "tf32":
+        torch.set_float32_matmul_precision("high")
+    elif not torch.cuda.is_available():
+        parser.error("host-syncs counts waits for a CUDA GPU: none is visible here")
+    else:
+        sites = count_host_syncs()
+    rc = onenode_main(["bench", *argv[split + 1:]])
+    if sites is not None:
+        print("\nhost syncs (count, where; compilation's own included):")
+        for site, count in sites.most_common(10):
+            print(f"{count:6d}  {site}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
