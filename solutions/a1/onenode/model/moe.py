@@ -60,13 +60,15 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     """Rows `offsets[j-1]:offsets[j]` of x [M, K] times weight[j] [K, N], for every expert j.
 
     `torch._grouped_mm` (one kernel) where it runs: bf16 on Hopper or newer, and on CPU; both want
-    rows of K and N a multiple of 16 bytes. Elsewhere (fp32 on CUDA, older GPUs, odd sizes) a loop
-    over the contiguous groups, with one host sync for their sizes.
+    rows of K and N a multiple of 16 bytes. Elsewhere (fp32 on CUDA or compiled, older GPUs, odd
+    sizes) a loop over the contiguous groups, with one host sync for their sizes.
     """
     aligned = all(size * x.element_size() % 16 == 0 for size in (x.shape[-1], weight.shape[-1]))
+    bf16 = x.dtype == torch.bfloat16
     if hasattr(torch, "_grouped_mm") and aligned and (
-        x.device.type == "cpu"
-        or (x.dtype == torch.bfloat16 and x.is_cuda and torch.cuda.get_device_properties(x.device).major >= 9)
+        # the compiler's shape check wants bf16 even on CPU, where eager takes float32 too
+        (x.device.type == "cpu" and (bf16 or not torch.compiler.is_compiling()))
+        or (bf16 and x.is_cuda and torch.cuda.get_device_properties(x.device).major >= 9)
     ):
         return torch._grouped_mm(x, weight, offs=offsets.to(torch.int32))
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
