@@ -60,7 +60,11 @@ def test_profile_writes_a_trace_and_top_kernels(tmp_path, capsys):
     assert sum(k["share"] for k in record["top_kernels"]) <= 1.0 + 1e-9
     r = record["results"]
     assert r["comm_share"] == 0.0 and 0 < r["compute_share"] <= 1.0 + 1e-9
-    assert "top kernels" in capsys.readouterr().out
+    mix = record["kernel_mix"]
+    assert set(mix) <= {"communication", "compiled", "matmul", "attention", "optimizer", "copy", "other"}
+    assert sum(mix.values()) == pytest.approx(1.0) and mix["matmul"] > 0
+    out = capsys.readouterr().out
+    assert "top kernels" in out and "kernel mix" in out and "matmul" in out
 
 
 def test_transformers_peer_runs_the_same_weights(tmp_path):
@@ -145,6 +149,26 @@ def test_annotated_ranges_on_the_gpu_timeline_are_not_counted_as_kernels():
     cuda = torch.device("cuda")
     assert [k["name"] for k in top_kernels(prof, cuda)] == ["gemm", "adamw", "adamw"]
     assert time_split(prof, cuda)["compute_s"] == pytest.approx(30e-6)
+
+
+def test_kernel_mix_sorts_gpu_kernels_by_kind():
+    from torch.autograd import DeviceType
+
+    from onenode.profiling import kernel_mix
+
+    times = {"nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT": 30,
+             "triton_red_fused__to_copy_arange_eq_exp_logsumexp_mul_sub_unsqueeze_0": 20,
+             "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": 10,
+             "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": 10,
+             "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>": 10,
+             "Memcpy DtoD (Device -> Device)": 10,
+             "void at::native::vectorized_elementwise_kernel<4, MulFunctor<float>>": 10}
+    events = [SimpleNamespace(key=name, count=1, device_type=DeviceType.CUDA, is_user_annotation=False,
+                              self_device_time_total=t) for name, t in times.items()]
+    mix = kernel_mix(SimpleNamespace(key_averages=lambda: events), torch.device("cuda"))
+    assert mix == pytest.approx({"matmul": 0.3, "compiled": 0.2, "communication": 0.1, "attention": 0.1,
+                                 "optimizer": 0.1, "copy": 0.1, "other": 0.1})
+    assert list(mix)[:2] == ["matmul", "compiled"]
 
 
 def test_out_of_memory_is_one_line_that_says_what_to_change(monkeypatch):

@@ -35,7 +35,7 @@ from .model.nemotron_h import CausalLMOutput
 from .parallel import ParallelDims, ParallelModel, parallelize
 from .parallel.distributed import init_distributed, local_device
 from .parallel.layers import prepare_layers
-from .profiling import format_top_kernels, profiled, time_split, top_kernels, write_trace
+from .profiling import format_top_kernels, kernel_mix, profiled, time_split, top_kernels, write_trace
 from .train.logging import environment, git_commit
 from .train.step import build_optimizer, train_step
 
@@ -190,7 +190,7 @@ def run(args) -> dict:
                             tok_s=f"{tokens_per_step / elapsed:,.0f}")
             bar.update()
 
-    split, kernels, trace = None, [], None
+    split, kernels, mix, trace = None, [], None, None
     if args.profile or world > 1:
         with profiled(device) as prof:
             start = time.perf_counter()
@@ -199,7 +199,7 @@ def run(args) -> dict:
             _sync(device)
             window = time.perf_counter() - start
         split = {"window_s": window, **time_split(prof, device)}
-        kernels = top_kernels(prof, device)
+        kernels, mix = top_kernels(prof, device), kernel_mix(prof, device)
         if args.profile:
             trace = str(write_trace(prof, args.profile, rank))
 
@@ -256,6 +256,7 @@ def run(args) -> dict:
         "results": results,
         "flops": {"per_kind_forward": report.per_kind(), "causal_attention": True},
         "top_kernels": kernels,
+        "kernel_mix": mix,
         "trace": trace,
     }
 
@@ -311,6 +312,8 @@ def format_table(record: dict) -> str:
                                    f"(exposed {r['exposed_comm_share']:.1%}), idle {r['idle_share']:.1%} "
                                    f"of {r['step_split']['window_s']:.2f} s "
                                    f"profiled ({record['steps']['profiled']} steps)"))
+    if record["kernel_mix"]:
+        rows.append(("kernel mix", ", ".join(f"{kind} {share:.1%}" for kind, share in record["kernel_mix"].items())))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -80,15 +80,45 @@ def time_split(prof, device: torch.device) -> dict[str, float]:
             "exposed_comm_s": exposed_us / 1e6}
 
 
+def _self_times(prof, device: torch.device) -> list[tuple[str, int, float]]:
+    """(name, calls, self seconds) of every kernel (CUDA) or op (CPU) in the window, largest first."""
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    rows = [(e.key, e.count, getattr(e, key) / 1e6) for e in prof.key_averages()
+            if (_on_device(e) if device.type == "cuda" else e.device_type != DeviceType.CUDA) and getattr(e, key) > 0]
+    return sorted(rows, key=lambda row: row[2], reverse=True)
+
+
 def top_kernels(prof, device: torch.device, limit: int = 15) -> list[dict]:
     """The `limit` kernels (CUDA) or ops (CPU) with the most self time, with their share."""
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    rows = [e for e in prof.key_averages()
-            if (_on_device(e) if device.type == "cuda" else e.device_type != DeviceType.CUDA) and getattr(e, key) > 0]
-    total = sum(getattr(e, key) for e in rows) or 1.0
-    rows.sort(key=lambda e: getattr(e, key), reverse=True)
-    return [{"name": e.key, "calls": e.count, "self_s": getattr(e, key) / 1e6, "share": getattr(e, key) / total}
-            for e in rows[:limit]]
+    rows = _self_times(prof, device)
+    total = sum(seconds for _, _, seconds in rows) or 1.0
+    return [{"name": name, "calls": calls, "self_s": seconds, "share": seconds / total}
+            for name, calls, seconds in rows[:limit]]
+
+
+# What a kernel (CUDA) or op (CPU) is, by its name; the first match wins. Triton kernels are the
+# compiler's fusions (their names list the ops fused, copies and matmul epilogues among them);
+# attention kernels before matmuls (cuDNN's flash attention names its wgmma instructions).
+KERNEL_KINDS = {
+    "communication": COLLECTIVE,
+    "compiled": re.compile(r"^triton_"),
+    "attention": re.compile(r"flash|sdpa|fmha|scaled_dot_product|attention", re.IGNORECASE),
+    "matmul": re.compile(r"gemm|nvjet|cutlass|cublas|wgmma|xmma|grouped_mm|aten::(mm|addmm|bmm|baddbmm|matmul|linear)$",
+                         re.IGNORECASE),
+    "optimizer": re.compile(r"multi_tensor_apply|adam|_foreach", re.IGNORECASE),
+    "copy": re.compile(r"memcpy|memset|copy|chunk_cat|aten::(cat|to|_to_copy|clone|contiguous)$", re.IGNORECASE),
+}
+
+
+def kernel_mix(prof, device: torch.device) -> dict[str, float]:
+    """Each kind's share of the window's kernel (CUDA) or op (CPU) self time, largest first: where
+    the time went, over every kernel and not only the top ones. Kinds: KERNEL_KINDS, else "other"."""
+    totals = dict.fromkeys([*KERNEL_KINDS, "other"], 0.0)
+    for name, _, seconds in _self_times(prof, device):
+        kind = next((kind for kind, pattern in KERNEL_KINDS.items() if pattern.search(name)), "other")
+        totals[kind] += seconds
+    whole = sum(totals.values()) or 1.0
+    return {kind: seconds / whole for kind, seconds in sorted(totals.items(), key=lambda kv: -kv[1]) if seconds}
 
 
 def write_trace(prof, folder: str | Path, rank: int) -> Path:
