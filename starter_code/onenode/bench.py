@@ -35,7 +35,7 @@ from .model.nemotron_h import CausalLMOutput
 from .parallel import ParallelDims, ParallelModel, parallelize
 from .parallel.distributed import init_distributed, local_device
 from .parallel.layers import prepare_layers
-from .profiling import format_top_kernels, kernel_mix, profiled, time_split, top_kernels, write_trace
+from .profiling import format_top_kernels, kernel_mix, profiled, self_times, time_split, top_kernels, write_trace
 from .train.logging import environment, git_commit
 from .train.step import build_optimizer, train_step
 
@@ -199,7 +199,8 @@ def run(args) -> dict:
             _sync(device)
             window = time.perf_counter() - start
         split = {"window_s": window, **time_split(prof, device)}
-        kernels, mix = top_kernels(prof, device), kernel_mix(prof, device)
+        times = self_times(prof, device)
+        kernels, mix = top_kernels(times), kernel_mix(times)
         if args.profile:
             trace = str(write_trace(prof, args.profile, rank))
 

@@ -80,17 +80,17 @@ def time_split(prof, device: torch.device) -> dict[str, float]:
             "exposed_comm_s": exposed_us / 1e6}
 
 
-def _self_times(prof, device: torch.device) -> list[tuple[str, int, float]]:
-    """(name, calls, self seconds) of every kernel (CUDA) or op (CPU) in the window, largest first."""
+def self_times(prof, device: torch.device) -> list[tuple[str, int, float]]:
+    """(name, calls, self seconds) of every kernel (CUDA) or op (CPU) in the window, largest first:
+    what `top_kernels` and `kernel_mix` read (grouping a GPU profile's events takes a while: once)."""
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     rows = [(e.key, e.count, getattr(e, key) / 1e6) for e in prof.key_averages()
             if (_on_device(e) if device.type == "cuda" else e.device_type != DeviceType.CUDA) and getattr(e, key) > 0]
     return sorted(rows, key=lambda row: row[2], reverse=True)
 
 
-def top_kernels(prof, device: torch.device, limit: int = 15) -> list[dict]:
-    """The `limit` kernels (CUDA) or ops (CPU) with the most self time, with their share."""
-    rows = _self_times(prof, device)
+def top_kernels(rows: list[tuple[str, int, float]], limit: int = 15) -> list[dict]:
+    """The `limit` kernels (CUDA) or ops (CPU) of `self_times` with the most self time, with their share."""
     total = sum(seconds for _, _, seconds in rows) or 1.0
     return [{"name": name, "calls": calls, "self_s": seconds, "share": seconds / total}
             for name, calls, seconds in rows[:limit]]
@@ -110,11 +110,12 @@ KERNEL_KINDS = {
 }
 
 
-def kernel_mix(prof, device: torch.device) -> dict[str, float]:
-    """Each kind's share of the window's kernel (CUDA) or op (CPU) self time, largest first: where
-    the time went, over every kernel and not only the top ones. Kinds: KERNEL_KINDS, else "other"."""
+def kernel_mix(rows: list[tuple[str, int, float]]) -> dict[str, float]:
+    """Each kind's share of the kernel (CUDA) or op (CPU) self time of `self_times`, largest first:
+    where the time went, over every kernel and not only the top ones. Kinds: KERNEL_KINDS, else
+    "other"."""
     totals = dict.fromkeys([*KERNEL_KINDS, "other"], 0.0)
-    for name, _, seconds in _self_times(prof, device):
+    for name, _, seconds in rows:
         kind = next((kind for kind, pattern in KERNEL_KINDS.items() if pattern.search(name)), "other")
         totals[kind] += seconds
     whole = sum(totals.values()) or 1.0
