@@ -34,7 +34,11 @@ def _worker(rank: int, fn, args: tuple, world_size: int, folder: str) -> None:
         result = fn(*args)
         dist.barrier()
     except BaseException:
-        (Path(folder) / f"rank{rank}.err").write_text(f"{time.time_ns()}\n{traceback.format_exc()}")
+        # Written whole, then renamed: the runner stops the other ranks as soon as one fails, and a
+        # rank stopped halfway through writing would leave a report without its time stamp.
+        partial = Path(folder) / f"rank{rank}.err.partial"
+        partial.write_text(f"{time.time_ns()}\n{traceback.format_exc()}")
+        partial.replace(partial.with_suffix(""))
         raise
     finally:
         dist.destroy_process_group()
