@@ -24,7 +24,7 @@ export JUPYTER_RUNTIME_DIR := $(CACHE)/jupyter/runtime
 export ONENODE_CACHE := $(CACHE)/onenode
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup demo test test-fast bubblewrap system-deps browser clean
+.PHONY: setup demo test test-fast mamba-ssm mamba-ssm-wheel bubblewrap system-deps browser clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,20 @@ test: setup bubblewrap
 test-fast: setup bubblewrap
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not slow"
+
+## mamba-ssm's Triton SSD, for `--mamba-kernel mamba_ssm` (GPU only). Its CUDA extensions are not
+## built (MAMBA_SKIP_CUDA_BUILD): the kit uses only the Triton kernels, which need none, and the
+## install takes seconds instead of a long nvcc build (onenode/model/mamba_ssm_scan.py loads them).
+## A node without internet: `make mamba-ssm-wheel` where there is one, copy dist/ over, then
+## `make mamba-ssm` there installs from dist/.
+MAMBA_SSM ?= mamba-ssm==2.3.2.post1
+MAMBA_BUILD := MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE
+mamba-ssm: setup
+	$(MAMBA_BUILD) $(PY) -m pip install -q --no-build-isolation --no-deps \
+	  $(if $(wildcard dist/mamba_ssm-*.whl),--no-index --find-links dist) "$(MAMBA_SSM)" einops
+
+mamba-ssm-wheel: setup
+	$(MAMBA_BUILD) $(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist "$(MAMBA_SSM)" einops
 
 ## System packages (Debian/Ubuntu, as root). bubblewrap: the grader's sandbox, without which it
 ## refuses to run submissions (docs/SECURITY.md), so failing to install it stops here. chromium:

@@ -101,7 +101,7 @@ def existing_tree(option: str, folder: str) -> Path:
 
 
 def mamba_ssm_imports(env: dict) -> bool:
-    probe = "from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined"
+    probe = "from onenode.model.mamba_ssm_scan import load_kernels; raise SystemExit(load_kernels()[0] is None)"
     return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, timeout=120).returncode == 0
 
 
@@ -217,7 +217,7 @@ def main() -> int:
     runs += [(tree.name.removeprefix("solution-") + ("" if layout == "eager" else f"-{layout}"), tree, layouts[layout])
              for tree in befores for layout in args.before_layouts]
     if mamba_ssm_imports(bench_env(solution)):
-        runs.append(("solution-mamba-ssm", solution, [*one, "--mamba-kernel", "mamba_ssm"]))
+        runs.append(("solution-best-mamba-ssm", solution, [*layouts["best"], "--mamba-kernel", "mamba_ssm"]))
     if args.only:
         runs = [r for r in runs if r[0] in args.only]
 

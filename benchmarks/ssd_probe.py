@@ -3,7 +3,8 @@
     PYTHONPATH=starter_code python3 benchmarks/ssd_probe.py --preset a1-1gpu --seq-len 4096 --out ssd.json
 
 Candidates: the kit's torch `ssd_chunked` eager, the same under `torch.compile`, and mamba_ssm's
-Triton `mamba_chunk_scan_combined` where it imports. Each runs forward + backward on the shapes
+Triton SSD where it imports (the kit's op around it, `model/mamba_ssm_scan.py`, eager and under
+`torch.compile(fullgraph=True)`). Each runs forward + backward on the shapes
 of one Mamba layer of the preset (bf16 x, B, C as the bf16 model makes them; float32 dt, A, D), timed with
 CUDA events after warm-up; output and input-gradient errors are relative to `ssd_chunked` in
 float64. The fastest candidate whose errors stay within bf16 rounding is the one to use.
@@ -19,8 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from onenode.model import get_preset
-from onenode.model.mamba2 import _mamba_ssm_scan, ssd_chunked
+from onenode.model import get_preset, mamba_ssm_scan
+from onenode.model.mamba2 import ssd_chunked
 
 MAX_RELATIVE_ERROR = 2e-2  # bf16 inputs: about 1e-3 is typical, a wrong scan is off by O(1)
 
@@ -91,9 +92,11 @@ def main() -> int:
     candidates = {"torch": ssd_chunked}
     if not args.no_compile:
         candidates["torch-compiled"] = torch.compile(ssd_chunked)
-    fast, why_not = _mamba_ssm_scan()
-    if fast is not None and device.type == "cuda":
-        candidates["mamba_ssm"] = fast
+    loaded, why_not = mamba_ssm_scan.load_kernels()
+    if loaded is not None and device.type == "cuda":
+        candidates["mamba_ssm"] = mamba_ssm_scan.chunk_scan
+        if not args.no_compile:  # fullgraph: the op must not break the graph it sits in
+            candidates["mamba_ssm-compiled"] = torch.compile(mamba_ssm_scan.chunk_scan, fullgraph=True)
     results = {"preset": args.preset, "batch": args.batch, "seq_len": args.seq_len, "device": str(device),
                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                "torch": torch.__version__, "mamba_ssm": why_not or "imported", "candidates": {}}

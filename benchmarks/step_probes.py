@@ -5,11 +5,18 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py loss-chunk --logits 536870912 -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py tf32 -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py host-syncs -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py cpp-wrapper -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py compile-mode --mode reduce-overhead -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
 - `tf32`: float32 matmuls (the router, the SSD's cross-chunk carry) on TF32 tensor cores;
 - `host-syncs`: every call that makes the host wait for the GPU, counted by where it was made
-  (`torch.cuda.set_sync_debug_mode`), printed after the bench's table.
+  (`torch.cuda.set_sync_debug_mode`), printed after the bench's table;
+- `cpp-wrapper`: inductor's C++ wrapper launches a compiled block's kernels (its default, a Python
+  wrapper, costs host time per kernel: the launch overhead a one-sequence step is bound by);
+- `compile-mode --mode M`: each layer compiled with `torch.compile(mode=M)`: `reduce-overhead`
+  replays each compiled block as a CUDA graph, `max-autotune` adds kernel autotuning and CUDA graphs,
+  `max-autotune-no-cudagraphs` the autotuning alone.
 
 The record's top-kernel list holds 80 kernels instead of 15. The results of 2026-12-01 are in
 `benchmarks/results/2026-12-01-h200-{loss-chunk,tf32,host-syncs}/`.
@@ -25,10 +32,12 @@ import traceback
 import warnings
 
 import torch
+import torch._inductor.config
 
 from onenode import bench
 from onenode.cli import main as onenode_main
 from onenode.model import loss
+from onenode.parallel import layers
 
 
 def count_host_syncs() -> collections.Counter:
@@ -47,11 +56,18 @@ def count_host_syncs() -> collections.Counter:
     return sites
 
 
+def compile_forward_in_mode(module: torch.nn.Module, backend: str, mode: str) -> None:
+    """`layers._compile_forward` with torch.compile's `mode`."""
+    module.forward = torch.compile(module.forward, backend=backend, mode=mode)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     usage="%(prog)s PROBE [--logits N] -- BENCH_OPTIONS")
-    parser.add_argument("probe", choices=["loss-chunk", "tf32", "host-syncs"])
+                                     usage="%(prog)s PROBE [--logits N | --mode M] -- BENCH_OPTIONS")
+    parser.add_argument("probe", choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
+    parser.add_argument("--mode", choices=["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                        help="compile-mode: torch.compile's mode for every compiled layer")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)  # after `--`: the bench's own options
     args = parser.parse_args(argv[:split])
@@ -63,6 +79,12 @@ def main() -> int:
         loss.CHUNK_LOGITS = args.logits
     elif args.probe == "tf32":
         torch.set_float32_matmul_precision("high")
+    elif args.probe == "cpp-wrapper":
+        torch._inductor.config.cpp_wrapper = True
+    elif args.probe == "compile-mode":
+        if args.mode is None:
+            parser.error("compile-mode needs --mode")
+        layers._compile_forward = functools.partial(compile_forward_in_mode, mode=args.mode)
     elif not torch.cuda.is_available():
         parser.error("host-syncs counts waits for a CUDA GPU: none is visible here")
     else:

@@ -202,3 +202,6 @@ def test_step_probes_run_bench_with_one_setting_changed(tmp_path):
                                  capture_output=True, text=True, timeout=300)
         assert refused.returncode == 2
         assert "counts waits for a CUDA GPU: none is visible here" in refused.stderr.splitlines()[-1]
+    refused = subprocess.run([sys.executable, str(script), "compile-mode", "--", *bench_options],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "compile-mode needs --mode" in refused.stderr.splitlines()[-1]

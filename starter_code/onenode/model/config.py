@@ -63,9 +63,12 @@ class NemotronHConfig:
     pad_token_id: int | None = 0
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
-    # Which Mamba2 scan to run: "auto" (mamba_ssm's Triton kernels where they import and the
-    # tensors are on CUDA, else torch), "torch" or "mamba_ssm".
-    mamba_kernel: str = "auto"
+    # Which Mamba2 scan to run: "torch" (`ssd_chunked`, compiled with the block), "mamba_ssm"
+    # (its Triton kernels; `make mamba-ssm`) or "auto" (mamba_ssm's where they import and a GPU is
+    # present, else torch). torch by default, so that what is installed never changes a run's
+    # numerics unasked (a replay elsewhere would differ), and the compiled torch scan is what the
+    # records measure; `onenode bench --mamba-kernel mamba_ssm` compares the two.
+    mamba_kernel: str = "torch"
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):

@@ -4,16 +4,15 @@ Shapes used throughout: b = batch, t = time, h = SSM heads, p = head dim, g = gr
 one group share B and C), n = state size, c = chunk index, l and s = positions in a chunk.
 
 `ssd_chunked` is a standalone function of tensors only, so it can be `torch.compile`d or swapped
-for a kernel. Where mamba_ssm's Triton SSD imports and a GPU is present, the mixer can use it
-instead (`config.mamba_kernel`, decided once when the mixer is built); the package often fails to
-import (its `__init__` loads a CUDA extension), so it is only ever tried lazily and never breaks
-`import onenode`. Everything a mixer runs per call is plain tensor code: a compiled block is one
-graph, and the conv, SiLU, gates and norms fuse into a few kernels.
+for a kernel. With `config.mamba_kernel="mamba_ssm"` (decided once when the mixer is built) the
+mixer runs mamba_ssm's Triton SSD instead: `mamba_ssm_scan.py` loads it without the package's CUDA
+extension and wraps it as an op that `torch.compile` does not break on; it is only ever tried
+lazily and never breaks `import onenode`. Everything a mixer runs per call is plain tensor code:
+a compiled block is one graph, and the conv, SiLU, gates and norms fuse into a few kernels.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -125,34 +124,26 @@ def ssd_naive(
     return y + x * D[:, None] if D is not None else y
 
 
-@functools.cache
-def _mamba_ssm_scan() -> tuple[Callable | None, str]:
-    """mamba_ssm's Triton `mamba_chunk_scan_combined`, or None and the reason it did not import."""
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except Exception as e:  # noqa: BLE001 - a broken CUDA extension raises more than ImportError
-        return None, f"{type(e).__name__}: {e}"
-    return mamba_chunk_scan_combined, ""
-
-
 def select_ssd(kernel: str) -> Callable:
     """The scan for `config.mamba_kernel`: "torch"; "mamba_ssm" (an error where it does not import
     or no GPU is present); "auto" (mamba_ssm's where it imports and a GPU is present, else torch).
     Called once per mixer, when it is built; mamba_ssm's kernel then needs CUDA tensors."""
     if kernel == "torch":
         return ssd_chunked
-    fast, why_not = _mamba_ssm_scan()
+    from . import mamba_ssm_scan
+
+    loaded, why_not = mamba_ssm_scan.load_kernels()
     if kernel == "mamba_ssm":
-        if fast is None:
+        if loaded is None:
             raise RuntimeError(
                 f"mamba_kernel='mamba_ssm' but mamba_ssm's Triton SSD does not import ({why_not}): "
-                "install mamba-ssm or set mamba_kernel='torch'"
+                f"{mamba_ssm_scan.INSTALL_HINT}, or set mamba_kernel='torch'"
             )
         if not torch.cuda.is_available():
             raise RuntimeError("mamba_kernel='mamba_ssm' needs a GPU, none is present: set mamba_kernel='torch'")
-    if fast is None or not torch.cuda.is_available():
+    if loaded is None or not torch.cuda.is_available():
         return ssd_chunked
-    return fast  # same call signature as ssd_chunked
+    return mamba_ssm_scan.chunk_scan
 
 
 class CausalConv1d(nn.Module):

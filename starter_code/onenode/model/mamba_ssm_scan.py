@@ -1,0 +1,125 @@
+"""mamba_ssm's Triton SSD, loaded without the package's CUDA extension and wrapped as a torch op.
+
+The kit needs one kernel of mamba-ssm, the Triton `mamba_chunk_scan_combined`, which builds no
+CUDA extension. The package's `__init__` imports one (`selective_scan_cuda`), so a Triton-only
+install (`make mamba-ssm`, which sets `MAMBA_SKIP_CUDA_BUILD`: seconds instead of a long nvcc
+build) fails `import mamba_ssm`. `load_kernels` imports the SSD's own module with that `__init__`
+skipped, and works the same where the full package is built.
+
+`chunk_scan` is the kernel as a `torch.library` custom op with its backward registered: a
+compiled block sees one opaque op with declared output shapes, where tracing into the Triton
+launches and the package's `autograd.Function` would break the graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import sys
+import types
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+INSTALL_HINT = "install it with `make mamba-ssm` (its Triton kernels; docs/ARCHITECTURE.md)"
+
+
+class Kernels(NamedTuple):
+    """forward(x, dt, A, B, C, chunk_size, D) -> y; backward(dy, x, dt, A, B, C, y, chunk_size, D) ->
+    (dx, ddt, dA, dB, dC, dD)."""
+
+    forward: object
+    backward: object
+
+
+def import_skipping_package_init(module: str) -> types.ModuleType:
+    """Import `module` (a dotted name) without running its top-level package's `__init__`, unless
+    that package is imported already. The stand-in package is removed afterwards, so a later
+    `import` of the package runs its real `__init__` (and fails or succeeds as it would have)."""
+    package = module.partition(".")[0]
+    if package in sys.modules:
+        return importlib.import_module(module)
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.submodule_search_locations is None:
+        raise ModuleNotFoundError(f"No module named '{package}'", name=package)
+    stand_in = types.ModuleType(package)
+    stand_in.__path__ = list(spec.submodule_search_locations)
+    sys.modules[package] = stand_in
+    try:
+        return importlib.import_module(module)
+    finally:
+        if sys.modules.get(package) is stand_in:
+            del sys.modules[package]
+
+
+@functools.cache
+def load_kernels() -> tuple[Kernels | None, str]:
+    """mamba_ssm's SSD forward and backward, or None and why they did not import."""
+    try:
+        ssd = import_skipping_package_init("mamba_ssm.ops.triton.ssd_combined")
+    except Exception as e:  # noqa: BLE001 - a broken install raises more than ImportError
+        return None, f"{type(e).__name__}: {e}"
+
+    def forward(x, dt, A, B, C, chunk_size, D):
+        return ssd._mamba_chunk_scan_combined_fwd(x, dt, A, B, C, chunk_size, D=D)[0]
+
+    def backward(dy, x, dt, A, B, C, y, chunk_size, D):
+        return ssd._mamba_chunk_scan_combined_bwd(dy, x, dt, A, B, C, y, chunk_size, D=D)[:6]
+
+    return Kernels(forward, backward), ""
+
+
+def kernels() -> Kernels:
+    """The kernels the ops run (tests swap in a stand-in)."""
+    loaded, why_not = load_kernels()
+    if loaded is None:
+        raise RuntimeError(f"mamba_ssm's Triton SSD does not import ({why_not}): {INSTALL_HINT}")
+    return loaded
+
+
+@torch.library.custom_op("onenode::mamba_ssm_chunk_scan", mutates_args=())
+def _chunk_scan_op(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Tensor) -> Tensor:
+    return kernels().forward(x, dt, A, B, C, chunk_size, D).contiguous()
+
+
+@_chunk_scan_op.register_fake
+def _(x, dt, A, B, C, chunk_size, D):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("onenode::mamba_ssm_chunk_scan_backward", mutates_args=())
+def _chunk_scan_backward_op(dy: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, y: Tensor,
+                            chunk_size: int, D: Tensor) -> list[Tensor]:
+    grads = kernels().backward(dy, x, dt, A, B, C, y, chunk_size, D)
+    # Each gradient in its input's dtype and layout, as declared below, whatever the kernel returns.
+    return [g.to(like.dtype).contiguous() for g, like in zip(grads, (x, dt, A, B, C, D))]
+
+
+@_chunk_scan_backward_op.register_fake
+def _(dy, x, dt, A, B, C, y, chunk_size, D):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (x, dt, A, B, C, D)]
+
+
+def _setup_context(ctx, inputs, output):
+    x, dt, A, B, C, chunk_size, D = inputs
+    ctx.save_for_backward(x, dt, A, B, C, D, output)
+    ctx.chunk_size = chunk_size
+
+
+def _backward(ctx, dy):
+    x, dt, A, B, C, D, y = ctx.saved_tensors
+    dx, ddt, dA, dB, dC, dD = _chunk_scan_backward_op(dy.contiguous(), x, dt, A, B, C, y, ctx.chunk_size, D)
+    return dx, ddt, dA, dB, dC, None, dD
+
+
+_chunk_scan_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def chunk_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
+               D: Tensor | None = None) -> Tensor:
+    """`ssd_chunked`'s signature and result, computed by mamba_ssm's kernel."""
+    if D is None:
+        D = x.new_zeros(x.shape[2], dtype=torch.float32)
+    return _chunk_scan_op(x.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(), chunk_size, D)

@@ -1,0 +1,117 @@
+"""mamba_ssm's SSD as the kit loads and wraps it (`model/mamba_ssm_scan.py`), checked on CPU.
+
+The Triton kernels need a GPU; here a stand-in pair computed with `ssd_chunked` takes their place,
+so what is tested is the kit's own part: the import that skips the package's `__init__`, the op's
+gradients, and that `torch.compile(fullgraph=True)` traces through the op without a break.
+"""
+
+import concurrent.futures
+import sys
+
+import pytest
+import torch
+
+from onenode.model import mamba_ssm_scan
+from onenode.model.mamba2 import select_ssd, ssd_chunked
+
+CHUNK = 8
+
+
+def _inputs(t=2 * CHUNK + 3, heads=4, groups=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kw = dict(dtype=torch.float64, generator=g)
+    return dict(x=torch.randn(2, t, heads, 3, **kw), dt=torch.rand(2, t, heads, **kw) * 0.5,
+                A=-torch.rand(heads, **kw) * 4, B=torch.randn(2, t, groups, 5, **kw),
+                C=torch.randn(2, t, groups, 5, **kw), D=torch.randn(heads, **kw))
+
+
+def _stand_in_forward(x, dt, A, B, C, chunk_size, D):
+    return ssd_chunked(x, dt, A, B, C, chunk_size, D=D).to(x.dtype)
+
+
+def _stand_in_backward(dy, x, dt, A, B, C, y, chunk_size, D):
+    """Autograd through `ssd_chunked`, on a thread of its own: an op's body runs below autograd's
+    dispatch keys (thread-local), where no tensor records a graph."""
+
+    def grads():
+        leaves = [t.detach().requires_grad_() for t in (x, dt, A, B, C, D)]
+        return torch.autograd.grad(ssd_chunked(*leaves[:5], chunk_size, D=leaves[5]), leaves, dy)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(grads).result()
+
+
+@pytest.fixture
+def stand_in_kernels(monkeypatch):
+    monkeypatch.setattr(mamba_ssm_scan, "kernels",
+                        lambda: mamba_ssm_scan.Kernels(_stand_in_forward, _stand_in_backward))
+
+
+def _value_and_grads(scan, inputs):
+    leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    y = scan(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], CHUNK, D=leaves["D"])
+    weight = torch.randn(y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(1))
+    return y.detach(), torch.autograd.grad((y * weight).sum(), list(leaves.values()))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_op_has_the_scans_values_and_gradients(stand_in_kernels, compiled):
+    # aot_eager: dynamo and the op's declared shapes, as inductor sees them, without C++ codegen
+    scan = torch.compile(mamba_ssm_scan.chunk_scan, fullgraph=True, backend="aot_eager") if compiled \
+        else mamba_ssm_scan.chunk_scan
+    inputs = _inputs()
+    want_y, want_grads = _value_and_grads(ssd_chunked, inputs)
+    got_y, got_grads = _value_and_grads(scan, inputs)
+    torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-12)
+    for name, got, want in zip(inputs, got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_the_ops_pass_torch_library_checks(stand_in_kernels):
+    """Schema, fake (meta) outputs against the real ones, autograd registration."""
+    inputs = _inputs(t=CHUNK + 1)
+    args = (*(inputs[k].requires_grad_() for k in "x dt A B C".split()), CHUNK, inputs["D"].requires_grad_())
+    torch.library.opcheck(torch.ops.onenode.mamba_ssm_chunk_scan.default, args)
+
+
+def _fake_package(root, name: str) -> None:
+    """A package laid out as mamba-ssm is, whose `__init__` needs a CUDA extension that is absent."""
+    kernel_dir = root / name / "ops" / "triton"
+    kernel_dir.mkdir(parents=True)
+    (root / name / "__init__.py").write_text("import selective_scan_cuda_absent_here\n")
+    (root / name / "ops" / "__init__.py").write_text("")
+    (kernel_dir / "__init__.py").write_text("")
+    (kernel_dir / "ssd_combined.py").write_text(f"from {name}.ops.triton import __name__ as PARENT\n")
+
+
+def test_a_triton_only_install_imports_without_the_packages_init(tmp_path, monkeypatch):
+    name = "onenode_test_fake_mamba"
+    _fake_package(tmp_path, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(ModuleNotFoundError, match="selective_scan_cuda"):
+            __import__(f"{name}.ops.triton.ssd_combined")
+        module = mamba_ssm_scan.import_skipping_package_init(f"{name}.ops.triton.ssd_combined")
+        assert module.PARENT == f"{name}.ops.triton"
+        with pytest.raises(ModuleNotFoundError, match="selective_scan_cuda"):  # the real __init__ again
+            __import__(name)
+    finally:
+        for key in [k for k in sys.modules if k.partition(".")[0] == name]:
+            del sys.modules[key]
+
+
+def test_a_missing_package_is_a_clear_error_that_says_how_to_install():
+    with pytest.raises(ModuleNotFoundError, match="onenode_no_such_package"):
+        mamba_ssm_scan.import_skipping_package_init("onenode_no_such_package.ops")
+    if mamba_ssm_scan.load_kernels()[0] is None:
+        with pytest.raises(RuntimeError, match="make mamba-ssm"):
+            select_ssd("mamba_ssm")
+        with pytest.raises(RuntimeError, match="make mamba-ssm"):
+            mamba_ssm_scan.chunk_scan(*(_inputs()[k] for k in "x dt A B C".split()), CHUNK)
+
+
+def test_the_default_scan_is_torchs_whatever_is_installed():
+    from onenode.model import get_preset
+    from onenode.model.mamba2 import Mamba2Mixer
+
+    assert Mamba2Mixer(get_preset("tiny")).ssd is ssd_chunked
