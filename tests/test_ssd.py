@@ -71,10 +71,17 @@ def test_bfloat16_inputs_multiply_in_bfloat16_and_stay_close():
     assert (y.double() - want).abs().max() < 2e-2 * want.abs().max()
 
 
-def test_forced_mamba_ssm_kernel_on_cpu_is_a_clear_error():
+def test_forced_mamba_ssm_kernel_on_cpu_is_a_clear_error(capsys):
     with pytest.raises(RuntimeError, match="mamba_kernel='torch'"):
         select_ssd("mamba_ssm")
     assert select_ssd("auto") is ssd_chunked
+    from onenode.cli import main
+
+    assert main(["bench", "--preset", "tiny", "--seq-len", "16", "--steps", "1", "--warmup", "0", "--quiet",
+                 "--mamba-kernel", "mamba_ssm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("onenode bench: mamba_kernel='mamba_ssm'")
+    assert "make mamba-ssm" in err[0] and "mamba_kernel='torch'" in err[0]
 
 
 def test_causal_conv_equals_the_depthwise_conv1d():

@@ -74,8 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    from .model.mamba2 import KernelUnavailableError
+
     try:
         return int(args.func(args) or 0)
+    except KernelUnavailableError as e:
+        print(f"onenode {args.command}: {e}", file=sys.stderr)
+        return 2
     except ModuleNotFoundError as e:
         hint = install_hint(e)
         if hint is None:

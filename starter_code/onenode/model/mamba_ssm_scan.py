@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-INSTALL_HINT = "install it with `make mamba-ssm` (its Triton kernels; docs/ARCHITECTURE.md)"
+INSTALL_HINT = "install it with `make mamba-ssm` (its Triton kernels alone; README.md)"
 
 
 class Kernels(NamedTuple):
