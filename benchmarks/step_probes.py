@@ -7,6 +7,8 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py host-syncs -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py cpp-wrapper -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py compile-mode --mode reduce-overhead -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py router-own-unit -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py one-unit -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
 - `tf32`: float32 matmuls (the router, the SSD's cross-chunk carry) on TF32 tensor cores;
@@ -16,7 +18,12 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
   wrapper, costs host time per kernel: the launch overhead a one-sequence step is bound by);
 - `compile-mode --mode M`: each layer compiled with `torch.compile(mode=M)`: `reduce-overhead`
   replays each compiled block as a CUDA graph, `max-autotune` adds kernel autotuning and CUDA graphs,
-  `max-autotune-no-cudagraphs` the autotuning alone.
+  `max-autotune-no-cudagraphs` the autotuning alone;
+- `router-own-unit`: each MoE router gathered float32 as an FSDP unit of its own (the kit before
+  2026-12-01), not bf16 with the rest of its layer: the unit's hooks split a compiled MoE block in
+  three graphs;
+- `one-unit`: the whole model one FSDP unit, no unit per layer: on one GPU sharding frees nothing,
+  and each unit costs hooks and copy kernels per step.
 
 The record's top-kernel list holds 80 kernels instead of 15. The results of 2026-12-01 are in
 `benchmarks/results/2026-12-01-h200-{loss-chunk,tf32,host-syncs}/`.
@@ -37,7 +44,7 @@ import torch._inductor.config
 from onenode import bench
 from onenode.cli import main as onenode_main
 from onenode.model import loss
-from onenode.parallel import layers
+from onenode.parallel import fsdp, layers
 
 
 def count_host_syncs() -> collections.Counter:
@@ -64,7 +71,8 @@ def compile_forward_in_mode(module: torch.nn.Module, backend: str, mode: str) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage="%(prog)s PROBE [--logits N | --mode M] -- BENCH_OPTIONS")
-    parser.add_argument("probe", choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode"])
+    parser.add_argument("probe", choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
+                                          "router-own-unit", "one-unit"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
     parser.add_argument("--mode", choices=["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="compile-mode: torch.compile's mode for every compiled layer")
@@ -85,6 +93,10 @@ def main() -> int:
         if args.mode is None:
             parser.error("compile-mode needs --mode")
         layers._compile_forward = functools.partial(compile_forward_in_mode, mode=args.mode)
+    elif args.probe == "router-own-unit":
+        fsdp._router_needs_own_unit = lambda layer: True
+    elif args.probe == "one-unit":
+        fsdp._layers = lambda model: []
     elif not torch.cuda.is_available():
         parser.error("host-syncs counts waits for a CUDA GPU: none is visible here")
     else:

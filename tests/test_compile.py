@@ -103,3 +103,36 @@ def test_sharded_checkpointed_blocks_run_compiled():
     calls = run_in_tree(KIT_ROOT, "test_compile:compiled_calls")
     assert calls["plain"] == calls["layers"]
     assert calls["checkpointed"] == 2 * calls["layers"]
+
+
+def sharded_step_graph_breaks() -> dict:
+    """Graph breaks and compiled graphs when the tiny model, MoE blocks included, runs a bf16
+    forward and backward laid out as the stack lays it out: every block compiled, then FSDP2 on a
+    one-rank group (float32 masters gathered bf16)."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from onenode.model import build_model, get_preset
+    from onenode.parallel import ParallelDims, parallelize
+    from onenode.parallel.layers import prepare_layers
+
+    torch._dynamo.reset()
+    counters.clear()
+    config = get_preset("tiny")
+    ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    model = build_model(config, seed=0)
+    prepare_layers(model, compile="blocks", backend="aot_eager")
+    model = parallelize(model, ParallelDims(dp=1), param_dtype=torch.bfloat16).model
+    model(ids, labels=ids).loss.backward()
+    return {"breaks": dict(counters["graph_break"]), "graphs": counters["stats"]["unique_graphs"],
+            "moe_layers": config.layer_kinds.count("moe")}
+
+
+def test_sharded_moe_blocks_compile_without_graph_breaks():
+    """In the reference solution's tree (the starter's MoE breaks the graph by design): a router
+    sharded as an FSDP unit of its own would put FSDP's hooks inside the compiled MoE block, two
+    graph breaks per MoE block; it is gathered with its layer instead."""
+    result = run_in_tree(patched_tree(["1-moe"]), "test_compile:sharded_step_graph_breaks")
+    assert result["moe_layers"] >= 1
+    assert result["breaks"] == {}, result

@@ -1,6 +1,6 @@
 """The kit's one precision design on one CPU process: float32 master weights, FSDP2 gathering bf16
-copies over a mesh of one rank, the routers kept float32; through `train_step`, the trainer
-(exact resume) and `onenode bench`."""
+copies over a mesh of one rank (the routers' too, whose math stays float32); through `train_step`,
+the trainer (exact resume) and `onenode bench`."""
 
 import json
 from pathlib import Path
@@ -51,12 +51,17 @@ def test_bf16_gathers_once_per_step_over_float32_masters():
         kind = "router" if isinstance(module, TopKRouter) else "linear"
         seen.setdefault(kind, set()).update(p.dtype for p in module.parameters(recurse=False))
 
+    def record_routing(module, args, output):
+        seen.setdefault("routing", set()).add(output[1].dtype)
+
     hooks = [m.register_forward_pre_hook(record) for m in parallel.model.modules()
              if isinstance(m, (TopKRouter, torch.nn.Linear))]
+    hooks += [m.register_forward_hook(record_routing) for m in parallel.model.modules() if isinstance(m, TopKRouter)]
     out = parallel.model(ids, labels=labels)
     for hook in hooks:
         hook.remove()
-    assert seen == {"router": {torch.float32}, "linear": {torch.bfloat16}}  # cast at gather, router not
+    # cast at gather, the routers with their layers; the routing weights computed in float32
+    assert seen == {"router": {torch.bfloat16}, "linear": {torch.bfloat16}, "routing": {torch.float32}}
     assert abs(out.loss.item() - reference_loss) < 0.02
     out.loss.backward()
     for name, param in parallel.named_parameters():  # masters and their gradients stay float32

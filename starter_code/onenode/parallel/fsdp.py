@@ -33,11 +33,13 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def _router_needs_own_unit(layer: nn.Module, param_dtype: torch.dtype | None) -> bool:
-    """FSDP2 gathers a unit's parameters into one buffer of one dtype. Routers stay float32 (routing
-    decisions are sensitive to rounding): a layer that gathers anything else (a bf16 `param_dtype`,
-    or its own bf16 weights) must leave its routers to units of their own."""
-    return {param_dtype or p.dtype for p in layer.parameters()} != {torch.float32}
+def _router_needs_own_unit(layer: nn.Module) -> bool:
+    """FSDP2 wants one stored dtype per unit. Routers are built float32, in a model built bf16 too
+    (`build_model(dtype=...)`), whose layers must leave their routers to units of their own. Under
+    the kit's training precision (float32 masters, a bf16 `param_dtype`) a router is gathered bf16
+    with its layer and computes in float32 from that copy, as Megatron and torchtitan do: a unit of
+    its own would put FSDP's hooks inside the compiled block, two graph breaks per MoE block."""
+    return len({p.dtype for p in layer.parameters()}) > 1
 
 
 def apply_fsdp(
@@ -69,7 +71,7 @@ def apply_fsdp(
             if expert_mesh.size() > 1:  # sum, then divide: gloo has no PREMUL_SUM (one rank just divides)
                 unit.set_force_sum_reduction_for_comms(True)
     for layer in _layers(model):
-        if _router_needs_own_unit(layer, param_dtype):
+        if _router_needs_own_unit(layer):
             for module in layer.modules():
                 if isinstance(module, TopKRouter):
                     shard(module, dp_mesh, as_stored)
