@@ -11,7 +11,7 @@ import torch
 from onenode import cli
 from onenode.flops import model_flops
 from onenode.model import get_preset
-from onenode.profiling import kernel_mix, self_times, time_split, top_kernels, union_us
+from onenode.profiling import kernel_mix, launches, self_times, time_split, top_kernels, union_us
 
 TINY = ["bench", "--preset", "tiny", "--seq-len", "32", "--steps", "2", "--warmup", "1", "--quiet"]
 
@@ -60,11 +60,15 @@ def test_profile_writes_a_trace_and_top_kernels(tmp_path, capsys):
     assert sum(k["share"] for k in record["top_kernels"]) <= 1.0 + 1e-9
     r = record["results"]
     assert r["comm_share"] == 0.0 and 0 < r["compute_share"] <= 1.0 + 1e-9
+    # one profiled step: every op's calls, and their self time spread over them
+    assert r["kernels_per_step"] >= sum(k["calls"] for k in record["top_kernels"])
+    assert 0 < r["mean_kernel_s"] * r["kernels_per_step"] <= r["step_split"]["window_s"]
     mix = record["kernel_mix"]
     assert set(mix) <= {"communication", "compiled", "matmul", "attention", "optimizer", "copy", "other"}
     assert sum(mix.values()) == pytest.approx(1.0) and mix["matmul"] > 0
     out = capsys.readouterr().out
     assert "top kernels" in out and "kernel mix" in out and "matmul" in out
+    assert f"{r['kernels_per_step']:,.0f} ops per step" in out
 
 
 def test_transformers_peer_runs_the_same_weights(tmp_path):
@@ -163,7 +167,9 @@ def test_kernel_mix_sorts_gpu_kernels_by_kind():
              "void at::native::vectorized_elementwise_kernel<4, MulFunctor<float>>": 10}
     events = [SimpleNamespace(key=name, count=1, device_type=DeviceType.CUDA, is_user_annotation=False,
                               self_device_time_total=t) for name, t in times.items()]
-    mix = kernel_mix(self_times(SimpleNamespace(key_averages=lambda: events), torch.device("cuda")))
+    rows = self_times(SimpleNamespace(key_averages=lambda: events), torch.device("cuda"))
+    assert launches(rows, steps=2) == pytest.approx({"kernels_per_step": 3.5, "mean_kernel_s": 100e-6 / 7})
+    mix = kernel_mix(rows)
     assert mix == pytest.approx({"matmul": 0.3, "compiled": 0.2, "communication": 0.1, "attention": 0.1,
                                  "optimizer": 0.1, "copy": 0.1, "other": 0.1})
     assert list(mix)[:2] == ["matmul", "compiled"]

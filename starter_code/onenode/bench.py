@@ -35,7 +35,16 @@ from .model.nemotron_h import CausalLMOutput
 from .parallel import ParallelDims, ParallelModel, parallelize
 from .parallel.distributed import init_distributed, local_device
 from .parallel.layers import prepare_layers
-from .profiling import format_top_kernels, kernel_mix, profiled, self_times, time_split, top_kernels, write_trace
+from .profiling import (
+    format_top_kernels,
+    kernel_mix,
+    launches,
+    profiled,
+    self_times,
+    time_split,
+    top_kernels,
+    write_trace,
+)
 from .train.logging import environment, git_commit
 from .train.step import build_optimizer, train_step
 
@@ -190,7 +199,7 @@ def run(args) -> dict:
                             tok_s=f"{tokens_per_step / elapsed:,.0f}")
             bar.update()
 
-    split, kernels, mix, trace = None, [], None, None
+    split, kernels, mix, launched, trace = None, [], None, None, None
     if args.profile or world > 1:
         with profiled(device) as prof:
             start = time.perf_counter()
@@ -200,7 +209,7 @@ def run(args) -> dict:
             window = time.perf_counter() - start
         split = {"window_s": window, **time_split(prof, device)}
         times = self_times(prof, device)
-        kernels, mix = top_kernels(times), kernel_mix(times)
+        kernels, mix, launched = top_kernels(times), kernel_mix(times), launches(times, args.profile_steps)
         if args.profile:
             trace = str(write_trace(prof, args.profile, rank))
 
@@ -234,6 +243,9 @@ def run(args) -> dict:
         "exposed_comm_share": split and split["exposed_comm_s"] / split["window_s"],
         # GPU: time no kernel ran (host-bound steps, syncs); CPU: profiler bookkeeping
         "idle_share": split and max(0.0, 1 - split["busy_s"] / split["window_s"]),
+        # kernels (CPU: ops) launched per profiled step, and their mean self time
+        "kernels_per_step": launched and launched["kernels_per_step"],
+        "mean_kernel_s": launched and launched["mean_kernel_s"],
     }
     if args.measure_ceiling:
         ceiling = matmul_ceiling(device)
@@ -313,6 +325,10 @@ def format_table(record: dict) -> str:
                                    f"(exposed {r['exposed_comm_share']:.1%}), idle {r['idle_share']:.1%} "
                                    f"of {r['step_split']['window_s']:.2f} s "
                                    f"profiled ({record['steps']['profiled']} steps)"))
+    if r.get("kernels_per_step"):
+        what = "kernels" if record["env"]["device_type"] == "cuda" else "ops"
+        rows.append(("launches", f"{r['kernels_per_step']:,.0f} {what} per step, "
+                                 f"{r['mean_kernel_s'] * 1e6:.1f} us each on average"))
     if record["kernel_mix"]:
         rows.append(("kernel mix", ", ".join(f"{kind} {share:.1%}" for kind, share in record["kernel_mix"].items())))
     width = max(len(k) for k, _ in rows)

@@ -89,6 +89,15 @@ def self_times(prof, device: torch.device) -> list[tuple[str, int, float]]:
     return sorted(rows, key=lambda row: row[2], reverse=True)
 
 
+def launches(rows: list[tuple[str, int, float]], steps: int) -> dict[str, float]:
+    """Kernels (CUDA) or ops (CPU) per step, and their mean self time: thousands of kernels of a
+    few microseconds each make a step bound by launching them (the host's time per launch), not by
+    the GPU's work, which fewer kernels (fusion, CUDA graphs) fix."""
+    calls = sum(count for _, count, _ in rows)
+    seconds = sum(self_s for _, _, self_s in rows)
+    return {"kernels_per_step": calls / steps, "mean_kernel_s": seconds / calls if calls else 0.0}
+
+
 def top_kernels(rows: list[tuple[str, int, float]], limit: int = 15) -> list[dict]:
     """The `limit` kernels (CUDA) or ops (CPU) of `self_times` with the most self time, with their share."""
     total = sum(seconds for _, _, seconds in rows) or 1.0
