@@ -68,10 +68,21 @@ def test_the_op_has_the_scans_values_and_gradients(stand_in_kernels, compiled):
 
 
 def test_the_ops_pass_torch_library_checks(stand_in_kernels):
-    """Schema, fake (meta) outputs against the real ones, autograd registration."""
+    """Schema, fake (meta) outputs against the real ones, autograd registration, traced dispatch:
+    for the scan and for its backward."""
     inputs = _inputs(t=CHUNK + 1)
-    args = (*(inputs[k].requires_grad_() for k in "x dt A B C".split()), CHUNK, inputs["D"].requires_grad_())
-    torch.library.opcheck(torch.ops.onenode.mamba_ssm_chunk_scan.default, args)
+    x, dt, A, B, C, D = (inputs[k] for k in "x dt A B C D".split())
+    y = _stand_in_forward(x, dt, A, B, C, CHUNK, D)
+    checks = {
+        "forward": (torch.ops.onenode.mamba_ssm_chunk_scan.default,
+                    (*(t.clone().requires_grad_() for t in (x, dt, A, B, C)), CHUNK, D.clone().requires_grad_())),
+        "backward": (torch.ops.onenode.mamba_ssm_chunk_scan_backward.default,
+                     (torch.randn_like(y), x, dt, A, B, C, y, CHUNK, D)),
+    }
+    for name, (op, args) in checks.items():
+        results = torch.library.opcheck(op, args, raise_exception=False)
+        assert set(results) >= {"test_schema", "test_faketensor", "test_autograd_registration"}, (name, results)
+        assert all(outcome == "SUCCESS" for outcome in results.values()), (name, results)
 
 
 def _fake_package(root, name: str) -> None:
@@ -106,7 +117,7 @@ def test_a_missing_package_is_a_clear_error_that_says_how_to_install():
     if mamba_ssm_scan.load_kernels()[0] is None:
         with pytest.raises(RuntimeError, match="make mamba-ssm"):
             select_ssd("mamba_ssm")
-        with pytest.raises(RuntimeError, match="make mamba-ssm"):
+        with pytest.raises(mamba_ssm_scan.KernelUnavailableError, match="make mamba-ssm"):
             mamba_ssm_scan.chunk_scan(*(_inputs()[k] for k in "x dt A B C".split()), CHUNK)
 
 

@@ -325,7 +325,7 @@ def format_table(record: dict) -> str:
                                    f"(exposed {r['exposed_comm_share']:.1%}), idle {r['idle_share']:.1%} "
                                    f"of {r['step_split']['window_s']:.2f} s "
                                    f"profiled ({record['steps']['profiled']} steps)"))
-    if r.get("kernels_per_step"):
+    if r["kernels_per_step"]:
         what = "kernels" if record["env"]["device_type"] == "cuda" else "ops"
         rows.append(("launches", f"{r['kernels_per_step']:,.0f} {what} per step, "
                                  f"{r['mean_kernel_s'] * 1e6:.1f} us each on average"))

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    from .model.mamba2 import KernelUnavailableError
+    from .model.mamba_ssm_scan import KernelUnavailableError
 
     try:
         return int(args.func(args) or 0)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import mamba_ssm_scan
 from .config import NemotronHConfig
 from .norms import GatedRMSNorm
 
@@ -124,27 +125,21 @@ def ssd_naive(
     return y + x * D[:, None] if D is not None else y
 
 
-class KernelUnavailableError(RuntimeError):
-    """The scan asked for cannot run here; the message says what to install or set instead."""
-
-
 def select_ssd(kernel: str) -> Callable:
     """The scan for `config.mamba_kernel`: "torch"; "mamba_ssm" (an error where it does not import
     or no GPU is present); "auto" (mamba_ssm's where it imports and a GPU is present, else torch).
     Called once per mixer, when it is built; mamba_ssm's kernel then needs CUDA tensors."""
     if kernel == "torch":
         return ssd_chunked
-    from . import mamba_ssm_scan
-
     loaded, why_not = mamba_ssm_scan.load_kernels()
     if kernel == "mamba_ssm":
         if loaded is None:
-            raise KernelUnavailableError(
+            raise mamba_ssm_scan.KernelUnavailableError(
                 f"mamba_kernel='mamba_ssm' but mamba_ssm's Triton SSD does not import ({why_not}): "
                 f"{mamba_ssm_scan.INSTALL_HINT}, or set mamba_kernel='torch'"
             )
         if not torch.cuda.is_available():
-            raise KernelUnavailableError(
+            raise mamba_ssm_scan.KernelUnavailableError(
                 "mamba_kernel='mamba_ssm' needs a GPU, none is present: set mamba_kernel='torch'"
             )
     if loaded is None or not torch.cuda.is_available():

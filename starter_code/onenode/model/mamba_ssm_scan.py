@@ -26,6 +26,10 @@ from torch import Tensor
 INSTALL_HINT = "install it with `make mamba-ssm` (its Triton kernels alone; README.md)"
 
 
+class KernelUnavailableError(RuntimeError):
+    """The scan asked for cannot run here; the message says what to install or set instead."""
+
+
 class Kernels(NamedTuple):
     """forward(x, dt, A, B, C, chunk_size, D) -> y; backward(dy, x, dt, A, B, C, y, chunk_size, D) ->
     (dx, ddt, dA, dB, dC, dD)."""
@@ -75,7 +79,7 @@ def kernels() -> Kernels:
     """The kernels the ops run (tests swap in a stand-in)."""
     loaded, why_not = load_kernels()
     if loaded is None:
-        raise RuntimeError(f"mamba_ssm's Triton SSD does not import ({why_not}): {INSTALL_HINT}")
+        raise KernelUnavailableError(f"mamba_ssm's Triton SSD does not import ({why_not}): {INSTALL_HINT}")
     return loaded
 
 
