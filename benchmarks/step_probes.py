@@ -9,6 +9,7 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py compile-mode --mode reduce-overhead -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py router-own-unit -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py one-unit -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py single-device compile-mode --mode M -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
 - `tf32`: float32 matmuls (the router, the SSD's cross-chunk carry) on TF32 tensor cores;
@@ -25,7 +26,12 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
   2026-12-01), not bf16 with the rest of its layer: the unit's hooks split a compiled MoE block in
   three graphs;
 - `one-unit`: the whole model one FSDP unit, no unit per layer: on one GPU sharding frees nothing,
-  and each unit costs hooks and copy kernels per step.
+  and each unit costs hooks and copy kernels per step;
+- `single-device`: on one GPU no FSDP at all: the model's parameters cast to bf16, float32 master
+  copies in the optimizer (`MasterWeightsAdamW`): no gather copies or hooks, and parameters at fixed
+  addresses, which CUDA graphs need (`single-device compile-mode --mode reduce-overhead`).
+
+Probes combine: `one-unit compile-mode --mode reduce-overhead -- ...` applies both.
 
 The record's top-kernel list holds 80 kernels instead of 15. The results of 2026-12-01 are in
 `benchmarks/results/2026-12-01-h200-{loss-chunk,tf32,host-syncs}/`.
@@ -43,10 +49,12 @@ import warnings
 import torch
 import torch._inductor.config
 
+import onenode.parallel
 from onenode import bench
 from onenode.cli import main as onenode_main
 from onenode.model import loss
 from onenode.parallel import fsdp, layers
+from onenode.train.optim import build_adamw
 
 
 def count_host_syncs() -> collections.Counter:
@@ -70,6 +78,41 @@ def compile_forward_in_mode(module: torch.nn.Module, backend: str, mode: str) ->
     module.forward = torch.compile(module.forward, backend=backend, mode=mode)
 
 
+def cast_instead_of_sharding(module: torch.nn.Module, dp_mesh, *, param_dtype=None, **unused) -> torch.nn.Module:
+    """In place of `apply_fsdp` on one GPU: the parameters themselves in `param_dtype`, no FSDP unit
+    (no hooks, no gather copies, parameters at fixed addresses); `MasterWeightsAdamW` keeps float32."""
+    if dp_mesh.size() > 1:
+        raise SystemExit("step_probes.py single-device: one process only (no --ep, --pp or more ranks)")
+    return module.to(param_dtype) if param_dtype is not None else module
+
+
+class MasterWeightsAdamW:
+    """The kit's AdamW on float32 copies of a bf16 model's parameters: each step casts the gradients
+    up into the copies, updates them, and writes the parameters back in bf16 (Megatron's
+    mixed-precision optimizer). `bench.build_optimizer`'s signature."""
+
+    def __init__(self, model: torch.nn.Module, name: str = "adamw", lr: float = 3e-4):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.masters = [torch.nn.Parameter(p.detach().float()) for p in self.params]
+        for master in self.masters:
+            master.grad = torch.zeros_like(master)
+        self.inner = build_adamw([(n, m) for (n, _), m in zip(named, self.masters)], lr=lr, weight_decay=0.1,
+                                 betas=(0.9, 0.95), eps=1e-8)
+        self.param_groups = self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        pairs = [(m.grad, p.grad) for m, p in zip(self.masters, self.params) if p.grad is not None]
+        torch._foreach_copy_([m for m, _ in pairs], [g for _, g in pairs])
+        self.inner.step()
+        torch._foreach_copy_(self.params, self.masters)
+
+
 def marking_step_begin(train_step):
     """`train_step` that first tells CUDA graph trees a new iteration begins, so each block's graph
     replays instead of waiting on the backwards of the step before."""
@@ -84,9 +127,10 @@ def marking_step_begin(train_step):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     usage="%(prog)s PROBE [--logits N | --mode M] -- BENCH_OPTIONS")
-    parser.add_argument("probe", choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
-                                          "router-own-unit", "one-unit"])
+                                     usage="%(prog)s PROBE [PROBE ...] [--logits N] [--mode M] -- BENCH_OPTIONS")
+    parser.add_argument("probes", nargs="+", metavar="PROBE",
+                        choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
+                                 "router-own-unit", "one-unit", "single-device"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
     parser.add_argument("--mode", choices=["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="compile-mode: torch.compile's mode for every compiled layer")
@@ -95,28 +139,32 @@ def main() -> int:
     args = parser.parse_args(argv[:split])
     bench.top_kernels = functools.partial(bench.top_kernels, limit=80)
     sites = None
-    if args.probe == "loss-chunk":
-        if args.logits is None:
-            parser.error("loss-chunk needs --logits, the logits per chunk")
-        loss.CHUNK_LOGITS = args.logits
-    elif args.probe == "tf32":
-        torch.set_float32_matmul_precision("high")
-    elif args.probe == "cpp-wrapper":
-        torch._inductor.config.cpp_wrapper = True
-    elif args.probe == "compile-mode":
-        if args.mode is None:
-            parser.error("compile-mode needs --mode")
-        layers._compile_forward = functools.partial(compile_forward_in_mode, mode=args.mode)
-        if args.mode != "max-autotune-no-cudagraphs":
-            bench.train_step = marking_step_begin(bench.train_step)
-    elif args.probe == "router-own-unit":
-        fsdp._router_needs_own_unit = lambda layer: True
-    elif args.probe == "one-unit":
-        fsdp._layers = lambda model: []
-    elif not torch.cuda.is_available():
-        parser.error("host-syncs counts waits for a CUDA GPU: none is visible here")
-    else:
-        sites = count_host_syncs()
+    for probe in args.probes:
+        if probe == "loss-chunk":
+            if args.logits is None:
+                parser.error("loss-chunk needs --logits, the logits per chunk")
+            loss.CHUNK_LOGITS = args.logits
+        elif probe == "tf32":
+            torch.set_float32_matmul_precision("high")
+        elif probe == "cpp-wrapper":
+            torch._inductor.config.cpp_wrapper = True
+        elif probe == "compile-mode":
+            if args.mode is None:
+                parser.error("compile-mode needs --mode")
+            layers._compile_forward = functools.partial(compile_forward_in_mode, mode=args.mode)
+            if args.mode != "max-autotune-no-cudagraphs":
+                bench.train_step = marking_step_begin(bench.train_step)
+        elif probe == "router-own-unit":
+            fsdp._router_needs_own_unit = lambda layer: True
+        elif probe == "one-unit":
+            fsdp._layers = lambda model: []
+        elif probe == "single-device":
+            onenode.parallel.apply_fsdp = cast_instead_of_sharding
+            bench.build_optimizer = MasterWeightsAdamW
+        elif not torch.cuda.is_available():
+            parser.error("host-syncs counts waits for a CUDA GPU: none is visible here")
+        else:
+            sites = count_host_syncs()
     rc = onenode_main(["bench", *argv[split + 1:]])
     if sites is not None:
         print("\nhost syncs (count, where; compilation's own included):")
