@@ -9,7 +9,7 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py compile-mode --mode reduce-overhead -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py router-own-unit -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py one-unit -- BENCH_OPTIONS
-    PYTHONPATH=starter_code python3 benchmarks/step_probes.py single-device compile-mode --mode M -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py fsdp-one-rank -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
 - `tf32`: float32 matmuls (the router, the SSD's cross-chunk carry) on TF32 tensor cores;
@@ -27,11 +27,11 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
   three graphs;
 - `one-unit`: the whole model one FSDP unit, no unit per layer: on one GPU sharding frees nothing,
   and each unit costs hooks and copy kernels per step;
-- `single-device`: on one GPU no FSDP at all: the model's parameters cast to bf16, float32 master
-  copies in the optimizer (`MasterWeightsAdamW`): no gather copies or hooks, and parameters at fixed
-  addresses, which CUDA graphs need (`single-device compile-mode --mode reduce-overhead`).
+- `fsdp-one-rank`: one process laid out as before 2026-12-01, FSDP2's mixed precision over a group
+  of one rank, not `parallel/mixed_precision.py`'s bf16 copies (the same numbers); `one-unit` and
+  `router-own-unit` change only that layout: on one process, combine them with it.
 
-Probes combine: `one-unit compile-mode --mode reduce-overhead -- ...` applies both.
+Probes combine: `fsdp-one-rank one-unit -- ...` applies both.
 
 The record's top-kernel list holds 80 kernels instead of 15. The results of 2026-12-01 are in
 `benchmarks/results/2026-12-01-h200-{loss-chunk,tf32,host-syncs}/`.
@@ -48,13 +48,13 @@ import warnings
 
 import torch
 import torch._inductor.config
+import torch.distributed as dist
 
 import onenode.parallel
 from onenode import bench
 from onenode.cli import main as onenode_main
 from onenode.model import loss
 from onenode.parallel import fsdp, layers
-from onenode.train.optim import build_adamw
 
 
 def count_host_syncs() -> collections.Counter:
@@ -78,39 +78,16 @@ def compile_forward_in_mode(module: torch.nn.Module, backend: str, mode: str) ->
     module.forward = torch.compile(module.forward, backend=backend, mode=mode)
 
 
-def cast_instead_of_sharding(module: torch.nn.Module, dp_mesh, *, param_dtype=None, **unused) -> torch.nn.Module:
-    """In place of `apply_fsdp` on one GPU: the parameters themselves in `param_dtype`, no FSDP unit
-    (no hooks, no gather copies, parameters at fixed addresses); `MasterWeightsAdamW` keeps float32."""
-    if dp_mesh.size() > 1:
-        raise SystemExit("step_probes.py single-device: one process only (no --ep, --pp or more ranks)")
-    return module.to(param_dtype) if param_dtype is not None else module
-
-
-class MasterWeightsAdamW:
-    """The kit's AdamW on float32 copies of a bf16 model's parameters: each step casts the gradients
-    up into the copies, updates them, and writes the parameters back in bf16 (Megatron's
-    mixed-precision optimizer). `bench.build_optimizer`'s signature."""
-
-    def __init__(self, model: torch.nn.Module, name: str = "adamw", lr: float = 3e-4):
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in named]
-        self.masters = [torch.nn.Parameter(p.detach().float()) for p in self.params]
-        for master in self.masters:
-            master.grad = torch.zeros_like(master)
-        self.inner = build_adamw([(n, m) for (n, _), m in zip(named, self.masters)], lr=lr, weight_decay=0.1,
-                                 betas=(0.9, 0.95), eps=1e-8)
-        self.param_groups = self.inner.param_groups
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self) -> None:
-        pairs = [(m.grad, p.grad) for m, p in zip(self.masters, self.params) if p.grad is not None]
-        torch._foreach_copy_([m for m, _ in pairs], [g for _, g in pairs])
-        self.inner.step()
-        torch._foreach_copy_(self.params, self.masters)
+def fsdp_on_one_rank(model: torch.nn.Module, param_dtype: torch.dtype) -> None:
+    """In place of `parallel.apply_mixed_precision`: FSDP2's mixed precision over a group of this
+    process alone, as the kit laid out one process before 2026-12-01 (same numbers, gather copies
+    and per-unit hooks)."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    fsdp.apply_fsdp(model, onenode.parallel.dp_mesh(onenode.parallel.ParallelDims().build_mesh(device_type)),
+                    param_dtype=param_dtype)
 
 
 def marking_step_begin(train_step):
@@ -130,7 +107,7 @@ def main() -> int:
                                      usage="%(prog)s PROBE [PROBE ...] [--logits N] [--mode M] -- BENCH_OPTIONS")
     parser.add_argument("probes", nargs="+", metavar="PROBE",
                         choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
-                                 "router-own-unit", "one-unit", "single-device"])
+                                 "router-own-unit", "one-unit", "fsdp-one-rank"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
     parser.add_argument("--mode", choices=["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="compile-mode: torch.compile's mode for every compiled layer")
@@ -158,9 +135,8 @@ def main() -> int:
             fsdp._router_needs_own_unit = lambda layer: True
         elif probe == "one-unit":
             fsdp._layers = lambda model: []
-        elif probe == "single-device":
-            onenode.parallel.apply_fsdp = cast_instead_of_sharding
-            bench.build_optimizer = MasterWeightsAdamW
+        elif probe == "fsdp-one-rank":
+            onenode.parallel.apply_mixed_precision = fsdp_on_one_rank
         elif not torch.cuda.is_available():
             parser.error("host-syncs counts waits for a CUDA GPU: none is visible here")
         else:

@@ -105,16 +105,14 @@ def test_sharded_checkpointed_blocks_run_compiled():
     assert calls["checkpointed"] == 2 * calls["layers"]
 
 
-def sharded_step_graph_breaks() -> dict:
+def _bf16_step_graph_breaks(lay_out) -> dict:
     """Graph breaks and compiled graphs when the tiny model, MoE blocks included, runs a bf16
-    forward and backward laid out as the stack lays it out: every block compiled, then FSDP2 on a
-    one-rank group (float32 masters gathered bf16)."""
+    forward and backward with every block compiled, then laid out by `lay_out(model)`."""
     import torch
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     from onenode.model import build_model, get_preset
-    from onenode.parallel import ParallelDims, parallelize
     from onenode.parallel.layers import prepare_layers
 
     torch._dynamo.reset()
@@ -123,16 +121,41 @@ def sharded_step_graph_breaks() -> dict:
     ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     model = build_model(config, seed=0)
     prepare_layers(model, compile="blocks", backend="aot_eager")
-    model = parallelize(model, ParallelDims(dp=1), param_dtype=torch.bfloat16).model
+    lay_out(model)
     model(ids, labels=ids).loss.backward()
     return {"breaks": dict(counters["graph_break"]), "graphs": counters["stats"]["unique_graphs"],
             "moe_layers": config.layer_kinds.count("moe")}
 
 
-def test_sharded_moe_blocks_compile_without_graph_breaks():
-    """In the reference solution's tree (the starter's MoE breaks the graph by design): a router
-    sharded as an FSDP unit of its own would put FSDP's hooks inside the compiled MoE block, two
-    graph breaks per MoE block; it is gathered with its layer instead."""
-    result = run_in_tree(patched_tree(["1-moe"]), "test_compile:sharded_step_graph_breaks")
+def sharded_step_graph_breaks() -> dict:
+    """FSDP2 as every multi-rank layout applies it (float32 masters gathered bf16), on a group of one."""
+    import torch
+    import torch.distributed as dist
+
+    from onenode.parallel import ParallelDims, apply_fsdp, dp_mesh
+
+    def shard(model):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        apply_fsdp(model, dp_mesh(ParallelDims().build_mesh("cpu")), param_dtype=torch.bfloat16)
+
+    return _bf16_step_graph_breaks(shard)
+
+
+def one_process_step_graph_breaks() -> dict:
+    """One process as `parallelize` lays it out: bf16 copies over float32 masters, no FSDP."""
+    import torch
+
+    from onenode.parallel import ParallelDims, parallelize
+
+    return _bf16_step_graph_breaks(lambda model: parallelize(model, ParallelDims(), param_dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("layout", ["sharded_step_graph_breaks", "one_process_step_graph_breaks"])
+def test_moe_blocks_compile_without_graph_breaks(layout):
+    """In the reference solution's tree (the starter's MoE breaks the graph by design), both ways the
+    kit lays out a bf16 model. Sharded: a router sharded as an FSDP unit of its own would put FSDP's
+    hooks inside the compiled MoE block, two graph breaks per MoE block; it is gathered with its
+    layer instead. One process: the bf16 copies are swapped in outside the compiled blocks."""
+    result = run_in_tree(patched_tree(["1-moe"]), f"test_compile:{layout}")
     assert result["moe_layers"] >= 1
     assert result["breaks"] == {}, result

@@ -1,6 +1,7 @@
-"""The kit's one precision design on one CPU process: float32 master weights, FSDP2 gathering bf16
-copies over a mesh of one rank (the routers' too, whose math stays float32); through `train_step`,
-the trainer (exact resume) and `onenode bench`."""
+"""The kit's one precision design on one CPU process: float32 master weights, bf16 copies made once
+per step (the routers' too, whose math stays float32), with the numbers of FSDP2's mixed precision
+on a mesh of one rank but no FSDP (`parallel/mixed_precision.py`); through `train_step`, the trainer
+(exact resume) and `onenode bench`."""
 
 import json
 from pathlib import Path
@@ -13,7 +14,8 @@ from torch.distributed.tensor import DTensor
 from onenode import cli
 from onenode.model import build_model, get_preset
 from onenode.model.moe import TopKRouter
-from onenode.parallel import ParallelDims, parallelize
+from onenode.parallel import ParallelDims, ParallelModel, apply_fsdp, dp_mesh, parallelize
+from onenode.parallel.layers import prepare_layers
 from onenode.train.recipe import load_recipe
 from onenode.train.step import build_optimizer, train_step
 from onenode.train.trainer import Trainer
@@ -23,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def one_rank_group():
-    """`parallelize` joins a group of one rank for bf16; leave no group behind for other tests."""
+    """One thread; leave no process group behind for other tests (the FSDP comparison makes one)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -37,13 +39,13 @@ def _batch(config, batch=2, seq=32, seed=0):
     return ids[:, :-1].clone(), ids[:, 1:].clone()
 
 
-def test_bf16_gathers_once_per_step_over_float32_masters():
+def test_bf16_casts_once_per_step_over_float32_masters():
     config = get_preset("tiny")
     ids, labels = _batch(config)
     reference = build_model(config, seed=0)
     reference_loss = reference(ids, labels=labels).loss.item()
     parallel = parallelize(build_model(config, seed=0), ParallelDims(), param_dtype=torch.bfloat16)
-    assert dist.get_world_size() == 1 and parallel.dp_mesh.size() == 1
+    assert not dist.is_initialized() and parallel.dp_mesh is None  # one process: no FSDP, no group
 
     seen = {}
 
@@ -60,13 +62,52 @@ def test_bf16_gathers_once_per_step_over_float32_masters():
     out = parallel.model(ids, labels=labels)
     for hook in hooks:
         hook.remove()
-    # cast at gather, the routers with their layers; the routing weights computed in float32
+    # cast once, the routers with their layers; the routing weights computed in float32
     assert seen == {"router": {torch.bfloat16}, "linear": {torch.bfloat16}, "routing": {torch.float32}}
     assert abs(out.loss.item() - reference_loss) < 0.02
     out.loss.backward()
     for name, param in parallel.named_parameters():  # masters and their gradients stay float32
-        assert isinstance(param, DTensor) and param.dtype == torch.float32, name
+        assert param.dtype == torch.float32, name
         assert param.grad is not None and param.grad.dtype == torch.float32, name
+
+
+def _fsdp_on_one_rank(model: torch.nn.Module) -> ParallelModel:
+    """The kit's one-process layout before 2026-12-01: FSDP2's mixed precision over a mesh of one."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = ParallelDims().build_mesh("cpu")
+    apply_fsdp(model, dp_mesh(mesh), param_dtype=torch.bfloat16)
+    return ParallelModel(model, dp_mesh=dp_mesh(mesh))
+
+
+def test_one_process_matches_fsdp_on_one_rank_bit_for_bit():
+    """Same losses, gradient norms and float32 masters as FSDP2 on one rank, step after step, with
+    gradient accumulation and checkpointed, compiled layers; and the bf16 copies never move."""
+    config = get_preset("tiny")
+    ids, labels = _batch(config, batch=4)
+
+    def train(parallel: ParallelModel, addresses: list | None = None):
+        if addresses is not None:
+            layer = parallel.model.backbone.layers[0]
+            layer.register_forward_pre_hook(lambda m, args: addresses.append(m.norm.weight.data_ptr()))
+        optimizer = build_optimizer(parallel, lr=3e-3)
+        steps = [train_step(parallel, optimizer, ids, labels, accumulation_steps=2) for _ in range(3)]
+        return steps, parallel.model.state_dict()
+
+    def prepared():
+        model = build_model(config, seed=0)
+        prepare_layers(model, compile="blocks", activation_checkpointing=True, backend="eager")
+        return model
+
+    addresses = []
+    steps, state = train(parallelize(prepared(), ParallelDims(), param_dtype=torch.bfloat16), addresses)
+    fsdp_steps, fsdp_state = train(_fsdp_on_one_rank(prepared()))
+    assert steps == fsdp_steps
+    assert state.keys() == fsdp_state.keys()
+    for name, value in state.items():
+        fsdp_value = fsdp_state[name]
+        fsdp_value = fsdp_value.full_tensor() if isinstance(fsdp_value, DTensor) else fsdp_value  # buffers are not
+        assert value.dtype == fsdp_value.dtype and torch.equal(value, fsdp_value), name
+    assert len(addresses) == 6 and len(set(addresses)) == 1, addresses
 
 
 def test_bf16_train_step_trains_and_accumulates():

@@ -10,8 +10,9 @@ the tensor-core FLOP model (`onenode.flops`) against the 989 TFLOP/s bf16 peak o
 and the share of a short profiled window spent in compute and in collectives.
 
 Precision follows torchtitan: parameters and optimizer state stay float32 (the master copy) and
-FSDP2's mixed-precision policy gathers each layer as bf16 once per step (on one GPU too, over a
-mesh of one rank), reducing gradients in float32; nothing runs under autocast. The data are random
+each layer computes on bf16 copies made once per step (over several ranks, gathered by FSDP2's
+mixed-precision policy; on one GPU, kept by `parallel/mixed_precision.py` with no FSDP), reducing
+gradients in float32; nothing runs under autocast. The data are random
 token ids from a seeded generator, so no dataset is needed and every run sees the same batches.
 """
 

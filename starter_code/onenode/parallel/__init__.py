@@ -8,10 +8,12 @@
 `ParallelModel`: what this rank holds and the meshes its training step reduces over. The model
 itself carries no parallel state.
 
-Precision is decided here too, the same way on one GPU and on many: with `param_dtype=bf16` the
-parameters stay float32 (the master copy the optimizer updates) and FSDP2 gathers each layer as
-bf16 once per step, reducing gradients in float32 (`fsdp.py`); one process gets a mesh of one
-rank for it. No training step runs under autocast.
+Precision is decided here too, with the same numbers on one GPU and on many: with
+`param_dtype=bf16` the parameters stay float32 (the master copy the optimizer updates) and each
+layer computes on bf16 copies made once per step, its gradients added up in float32. Over several
+ranks FSDP2 gathers those copies (`fsdp.py`); one process keeps them at fixed addresses with no FSDP
+(`mixed_precision.py`: no gather copies, no per-unit hooks, and CUDA graphs can replay). No
+training step runs under autocast.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..model.loss import cross_entropy_loss
-from .distributed import join_one_rank_group
 from .expert_parallel import apply_expert_parallel
 from .fsdp import apply_fsdp
 from .mesh import ParallelDims, dp_mesh
+from .mixed_precision import apply_mixed_precision
 from .pipeline import PipelineRunner, build_pipeline
 
 __all__ = ["ParallelDims", "ParallelModel", "dp_mesh", "parallelize", "shard_data_parallel", "apply_expert_parallel",
@@ -104,16 +106,16 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtyp
 
     With pp > 1 the model is split into pipeline stages over mesh["pp"], the last computing
     `loss_fn(logits, labels)`, and each stage is sharded over its dp ranks; `pipeline_options` go
-    to `pipeline.build_pipeline` (schedule, microbatches: by default pp, ...). A bf16 `param_dtype`
-    shards over the dp ranks even where there is one (a single process joins a group of one rank):
-    FSDP's mixed-precision policy is what casts. One process in float32 keeps the model as it is.
+    to `pipeline.build_pipeline` (schedule, microbatches: by default pp, ...). Over several ranks a
+    bf16 `param_dtype` is FSDP's mixed-precision policy; one process casts with `mixed_precision.py`
+    and joins no process group. One process in float32 keeps the model as it is.
     """
     if pipeline_options and dims.pp == 1:
         raise ValueError(f"pipeline options {sorted(pipeline_options)} need pp > 1: drop them or set pp")
-    if dims.world_size == 1 and not _mixed_precision(param_dtype):
-        return ParallelModel(model)
     if dims.world_size == 1:
-        join_one_rank_group(_device_type(model))
+        if _mixed_precision(param_dtype):
+            apply_mixed_precision(model, param_dtype)
+        return ParallelModel(model)
     mesh = dims.build_mesh(_device_type(model))
     data_mesh = dp_mesh(mesh)
     if dims.pp == 1:

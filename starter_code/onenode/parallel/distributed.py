@@ -22,15 +22,6 @@ def init_distributed() -> tuple[int, int]:
     return 0, 1
 
 
-def join_one_rank_group(device_type: str) -> None:
-    """A process group of this process alone, unless one exists: FSDP2's mixed precision needs a
-    device mesh, and one process gets a mesh of one rank (its gathers and reductions are copies)."""
-    if dist.is_initialized():
-        return
-    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
 def local_device() -> torch.device:
     """This rank's GPU (the current CUDA device), else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -1,5 +1,6 @@
 """FSDP2 (`fully_shard`) applied per layer, then to the root, torchtitan style; also the kit's
-mixed precision, on any number of ranks (one included).
+mixed precision over several ranks (one process gets the same numbers from `mixed_precision.py`;
+a pipeline stage alone on its dp mesh still gets FSDP on a mesh of one).
 
 Parameters stay as built (float32: the master copy the optimizer updates). With `param_dtype`
 (bf16) each unit's mixed-precision policy casts its parameters once when it gathers them for the
