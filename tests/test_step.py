@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from onenode.model import build_model, get_preset
-from onenode.parallel import ParallelDims, parallelize
+from onenode.parallel import ParallelDims, ParallelModel, apply_fsdp, dp_mesh, parallelize
 from onenode.train.step import build_optimizer, clip_grad_norm_, train_step
 
 # aten ops that read a device value on the host (`.item()`, `float(t)`, `if t:`) or size an output by the data
@@ -32,18 +32,29 @@ def no_group_left():
         dist.destroy_process_group()
 
 
-def _model_with_grads(param_dtype=None):
+def _model_with_grads(layout="plain"):
+    """The tiny model after one backward: as built ("plain"), in bf16 as one process runs it
+    ("one-process-bf16"), or sharded as several ranks run it, on a group of one ("fsdp-one-rank-bf16":
+    DTensor gradients)."""
     config = get_preset("tiny")
-    model = parallelize(build_model(config, seed=0), ParallelDims(), param_dtype=param_dtype)
+    if layout == "fsdp-one-rank-bf16":
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        model = build_model(config, seed=0)
+        mesh = dp_mesh(ParallelDims().build_mesh("cpu"))
+        model = ParallelModel(apply_fsdp(model, mesh, param_dtype=torch.bfloat16), dp_mesh=mesh)
+    else:
+        param_dtype = torch.bfloat16 if layout == "one-process-bf16" else None
+        model = parallelize(build_model(config, seed=0), ParallelDims(), param_dtype=param_dtype)
     ids = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     model.stage_modules[0](ids[:, :-1], labels=ids[:, 1:]).loss.backward()
     return model
 
 
-@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["plain", "fsdp-one-rank-bf16"])
-def test_clipping_matches_torch_and_waits_for_nothing(param_dtype):
-    model = _model_with_grads(param_dtype)
+@pytest.mark.parametrize("layout", ["plain", "one-process-bf16", "fsdp-one-rank-bf16"])
+def test_clipping_matches_torch_and_waits_for_nothing(layout):
+    model = _model_with_grads(layout)
     params = list(model.parameters())
+    assert all(hasattr(p.grad, "full_tensor") == (layout == "fsdp-one-rank-bf16") for p in params)
     before = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone() for p in params]
     expected = torch.nn.utils.get_total_norm(before)
     max_norm = expected.item() / 4
