@@ -96,6 +96,8 @@ def test_union_of_intervals():
 def test_bad_arguments_say_what_to_do():
     with pytest.raises(SystemExit, match="--steps"):
         cli.main([*TINY, "--steps", "0"])
+    with pytest.raises(SystemExit, match="--cuda-graphs replays compiled layers on one GPU: add --compile"):
+        cli.main([*TINY, "--cuda-graphs"])  # no --compile (and, here, no GPU)
 
 
 def _bench_on_rank(argv: list[str]) -> None:

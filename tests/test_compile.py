@@ -150,6 +150,26 @@ def one_process_step_graph_breaks() -> dict:
     return _bf16_step_graph_breaks(lambda model: parallelize(model, ParallelDims(), param_dtype=torch.bfloat16))
 
 
+def test_cuda_graphs_compile_every_block_to_replay(monkeypatch):
+    """`prepare_layers(cuda_graphs=True)` compiles each block in inductor's reduce-overhead mode
+    (CUDA graphs; on a GPU only, so the wiring is what a CPU can check), and refuses without compile."""
+    import torch
+
+    from onenode.model import build_model, get_preset
+    from onenode.parallel import layers
+
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda fn, backend, mode: modes.append(mode) or fn)
+    model = build_model(get_preset("tiny"), seed=0)
+    layers.prepare_layers(model, compile="blocks", cuda_graphs=True)
+    assert modes == ["reduce-overhead"] * len(model.backbone.layers)
+    modes.clear()
+    layers.prepare_layers(build_model(get_preset("tiny"), seed=0), compile="blocks")
+    assert set(modes) == {None}
+    with pytest.raises(ValueError, match="CUDA graphs replay compiled layers"):
+        layers.prepare_layers(model, cuda_graphs=True)
+
+
 @pytest.mark.parametrize("layout", ["sharded_step_graph_breaks", "one_process_step_graph_breaks"])
 def test_moe_blocks_compile_without_graph_breaks(layout):
     """In the reference solution's tree (the starter's MoE breaks the graph by design), both ways the

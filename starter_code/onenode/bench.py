@@ -109,8 +109,12 @@ def prepare_model(args, config, world: int, device: torch.device,
                          "launch with torchrun --nproc-per-node DP*PP")
     if args.ep > 1 and world == 1:
         raise SystemExit(f"--ep {args.ep} needs as many processes: launch with torchrun --nproc-per-node {args.ep}")
+    if args.cuda_graphs and (world > 1 or device.type != "cuda" or args.compile == "off"):
+        raise SystemExit("--cuda-graphs replays compiled layers on one GPU: add --compile blocks and run one "
+                         "process on a CUDA device (under FSDP the graphs would be recorded again every step)")
     model = build_model(config, seed=args.seed, device=device)
-    prepare_layers(model, compile=args.compile, activation_checkpointing=args.activation_checkpointing)
+    prepare_layers(model, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
+                   cuda_graphs=args.cuda_graphs)
     if args.impl == "transformers":
         model = build_transformers_peer(model, args.experts_implementation)
     pipeline = {"schedule": args.pp_schedule, "microbatches": args.microbatches} if args.pp > 1 else {}
@@ -181,6 +185,8 @@ def run(args) -> dict:
 
     def step() -> dict:
         input_ids, labels = (t.to(device, non_blocking=True) for t in next(batches))
+        if args.cuda_graphs:  # a new step: replay the graphs, do not wait for the last step's backwards
+            torch.compiler.cudagraph_mark_step_begin()
         return train_step(model, optimizer, input_ids, labels, grad_clip=1.0)
 
     from tqdm import tqdm
@@ -262,8 +268,8 @@ def run(args) -> dict:
         "config": dataclasses.asdict(config),
         "layout": {**layout, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
                    "activation_checkpointing": args.activation_checkpointing, "compile": args.compile,
-                   "dtype": args.dtype, "optimizer": "adamw", "lr": args.lr, "seed": args.seed,
-                   "mamba_kernel": config.mamba_kernel},
+                   "cuda_graphs": args.cuda_graphs, "dtype": args.dtype, "optimizer": "adamw", "lr": args.lr,
+                   "seed": args.seed, "mamba_kernel": config.mamba_kernel},
         "env": environment(world) | {"cuda": torch.version.cuda, "device_type": device.type},
         "steps": {"warmup": args.warmup, "measured": args.steps, "step_times_s": step_times,
                   "losses": losses, "profiled": args.profile_steps if split else 0},
@@ -306,8 +312,8 @@ def format_table(record: dict) -> str:
     rows = [
         ("model", f"{record['preset']} ({record['impl']}), {lay['micro_batch']} x {lay['seq_len']} tokens per rank"),
         ("layout", f"world {lay['world_size']}: dp {lay['dp']} ep {lay['ep']} pp {lay['pp']}, "
-                   f"AC {'on' if lay['activation_checkpointing'] else 'off'}, compile {lay['compile']}, "
-                   f"{lay['dtype']}"),
+                   f"AC {'on' if lay['activation_checkpointing'] else 'off'}, compile {lay['compile']}"
+                   f"{' + CUDA graphs' if lay.get('cuda_graphs') else ''}, {lay['dtype']}"),
         ("tokens/s", f"{r['tokens_per_s']:,.0f} total, {r['tokens_per_s_per_gpu']:,.0f} per GPU (or CPU process)"),
         ("step time", f"median {r['step_time_median_s'] * 1e3:.1f} ms (min {r['step_time_min_s'] * 1e3:.1f}, "
                       f"max {r['step_time_max_s'] * 1e3:.1f}, stdev {r['step_time_stdev_s'] * 1e3:.1f}) "
@@ -358,6 +364,8 @@ def register(subparsers) -> None:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--compile", default="off", choices=["off", "mixers", "blocks"],
                    help="torch.compile per layer: mixers = all but MoE mixers, blocks = every block")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay each compiled layer as a CUDA graph (one GPU, one process, with --compile)")
     p.add_argument("--mamba-kernel", default=None, choices=["auto", "torch", "mamba_ssm"],
                    help="override the preset's Mamba2 scan")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],

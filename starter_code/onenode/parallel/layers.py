@@ -22,32 +22,42 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
 
 
-def apply_compile(model: nn.Module, mode: str, backend: str = "inductor") -> None:
+def apply_compile(model: nn.Module, mode: str, backend: str = "inductor", cuda_graphs: bool = False) -> None:
     """`torch.compile` per layer, as torchtitan does (one small graph per block, reused).
 
     "mixers" compiles every Mamba2, attention and dense MLP mixer and leaves MoE mixers eager:
     the routed experts have data-dependent shapes (tokens per expert), and the starter's
     per-expert loop would unroll into one graph break per expert. "blocks" compiles every block,
-    MoE included: for an MoE whose routed path is compile-friendly.
+    MoE included: for an MoE whose routed path is compile-friendly. `cuda_graphs`: each compiled
+    region also replays as a CUDA graph (see `prepare_layers`).
     """
     for layer in model.backbone.layers:
         if mode == "blocks":
-            _compile_forward(layer, backend)
+            _compile_forward(layer, backend, cuda_graphs)
         elif layer.kind != "moe":
-            _compile_forward(layer.mixer, backend)
+            _compile_forward(layer.mixer, backend, cuda_graphs)
 
 
-def _compile_forward(module: nn.Module, backend: str) -> None:
+def _compile_forward(module: nn.Module, backend: str, cuda_graphs: bool = False) -> None:
     """Compile `forward` alone, not the whole call (`module.compile()`): the hooks FSDP2 puts on
     the module later stay outside the graph, where dynamo would break it in two. The parameters
     keep their names (no `_orig_mod.` wrapper)."""
-    module.forward = torch.compile(module.forward, backend=backend)
+    module.forward = torch.compile(module.forward, backend=backend,
+                                   mode="reduce-overhead" if cuda_graphs else None)
 
 
 def prepare_layers(model: nn.Module, *, compile: str = "off", activation_checkpointing: bool = False,
-                   backend: str = "inductor") -> None:
-    """Compile the layers (`compile`: off, mixers or blocks), then checkpoint them, in that order."""
+                   backend: str = "inductor", cuda_graphs: bool = False) -> None:
+    """Compile the layers (`compile`: off, mixers or blocks), then checkpoint them, in that order.
+
+    `cuda_graphs` replays each compiled layer as a CUDA graph (inductor's "reduce-overhead"): one
+    launch instead of hundreds, for steps the host cannot feed fast enough. It needs parameters
+    at fixed addresses, so one process (`parallel/mixed_precision.py`); under FSDP, which gathers
+    them into new memory each step, the graphs are recorded again every step. Each training step
+    must begin with `torch.compiler.cudagraph_mark_step_begin()`."""
+    if cuda_graphs and compile == "off":
+        raise ValueError("CUDA graphs replay compiled layers: set compile to mixers or blocks")
     if compile != "off":
-        apply_compile(model, compile, backend)
+        apply_compile(model, compile, backend, cuda_graphs)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
