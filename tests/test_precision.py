@@ -65,6 +65,8 @@ def test_bf16_casts_once_per_step_over_float32_masters():
     # cast once, the routers with their layers; the routing weights computed in float32
     assert seen == {"router": {torch.bfloat16}, "linear": {torch.bfloat16}, "routing": {torch.float32}}
     assert abs(out.loss.item() - reference_loss) < 0.02
+    # outside a forward the parameters are the masters (an optimizer built now updates them)
+    assert {p.dtype for p in parallel.parameters()} == {torch.float32}
     out.loss.backward()
     for name, param in parallel.named_parameters():  # masters and their gradients stay float32
         assert param.dtype == torch.float32, name
