@@ -48,7 +48,6 @@ import warnings
 
 import torch
 import torch._inductor.config
-import torch.distributed as dist
 
 import onenode.parallel
 from onenode import bench
@@ -76,18 +75,6 @@ def count_host_syncs() -> collections.Counter:
 def compile_forward_in_mode(module: torch.nn.Module, backend: str, mode: str) -> None:
     """`layers._compile_forward` with torch.compile's `mode`."""
     module.forward = torch.compile(module.forward, backend=backend, mode=mode)
-
-
-def fsdp_on_one_rank(model: torch.nn.Module, param_dtype: torch.dtype) -> None:
-    """In place of `parallel.apply_mixed_precision`: FSDP2's mixed precision over a group of this
-    process alone, as the kit laid out one process before 2026-12-01 (same numbers, gather copies
-    and per-unit hooks)."""
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    fsdp.apply_fsdp(model, onenode.parallel.dp_mesh(onenode.parallel.ParallelDims().build_mesh(device_type)),
-                    param_dtype=param_dtype)
 
 
 def marking_step_begin(train_step):
@@ -136,7 +123,7 @@ def main() -> int:
         elif probe == "one-unit":
             fsdp._layers = lambda model: []
         elif probe == "fsdp-one-rank":
-            onenode.parallel.apply_mixed_precision = fsdp_on_one_rank
+            onenode.parallel.apply_mixed_precision = fsdp.apply_fsdp_on_one_rank
         elif not torch.cuda.is_available():
             parser.error("host-syncs counts waits for a CUDA GPU: none is visible here")
         else:

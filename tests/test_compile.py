@@ -130,15 +130,10 @@ def _bf16_step_graph_breaks(lay_out) -> dict:
 def sharded_step_graph_breaks() -> dict:
     """FSDP2 as every multi-rank layout applies it (float32 masters gathered bf16), on a group of one."""
     import torch
-    import torch.distributed as dist
 
-    from onenode.parallel import ParallelDims, apply_fsdp, dp_mesh
+    from onenode.parallel.fsdp import apply_fsdp_on_one_rank
 
-    def shard(model):
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        apply_fsdp(model, dp_mesh(ParallelDims().build_mesh("cpu")), param_dtype=torch.bfloat16)
-
-    return _bf16_step_graph_breaks(shard)
+    return _bf16_step_graph_breaks(lambda model: apply_fsdp_on_one_rank(model, torch.bfloat16))
 
 
 def one_process_step_graph_breaks() -> dict:

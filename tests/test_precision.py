@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor
 from onenode import cli
 from onenode.model import build_model, get_preset
 from onenode.model.moe import TopKRouter
-from onenode.parallel import ParallelDims, ParallelModel, apply_fsdp, dp_mesh, parallelize
+from onenode.parallel import ParallelDims, ParallelModel, parallelize
+from onenode.parallel.fsdp import apply_fsdp_on_one_rank
 from onenode.parallel.layers import prepare_layers
 from onenode.train.recipe import load_recipe
 from onenode.train.step import build_optimizer, train_step
@@ -75,10 +76,7 @@ def test_bf16_casts_once_per_step_over_float32_masters():
 
 def _fsdp_on_one_rank(model: torch.nn.Module) -> ParallelModel:
     """The kit's one-process layout before 2026-12-01: FSDP2's mixed precision over a mesh of one."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    mesh = ParallelDims().build_mesh("cpu")
-    apply_fsdp(model, dp_mesh(mesh), param_dtype=torch.bfloat16)
-    return ParallelModel(model, dp_mesh=dp_mesh(mesh))
+    return ParallelModel(model, dp_mesh=apply_fsdp_on_one_rank(model, torch.bfloat16))
 
 
 def test_one_process_matches_fsdp_on_one_rank_bit_for_bit():

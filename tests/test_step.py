@@ -7,7 +7,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from onenode.model import build_model, get_preset
-from onenode.parallel import ParallelDims, ParallelModel, apply_fsdp, dp_mesh, parallelize
+from onenode.parallel import ParallelDims, ParallelModel, parallelize
+from onenode.parallel.fsdp import apply_fsdp_on_one_rank
 from onenode.train.step import build_optimizer, clip_grad_norm_, train_step
 
 # aten ops that read a device value on the host (`.item()`, `float(t)`, `if t:`) or size an output by the data
@@ -38,10 +39,8 @@ def _model_with_grads(layout="plain"):
     DTensor gradients)."""
     config = get_preset("tiny")
     if layout == "fsdp-one-rank-bf16":
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         model = build_model(config, seed=0)
-        mesh = dp_mesh(ParallelDims().build_mesh("cpu"))
-        model = ParallelModel(apply_fsdp(model, mesh, param_dtype=torch.bfloat16), dp_mesh=mesh)
+        model = ParallelModel(model, dp_mesh=apply_fsdp_on_one_rank(model, torch.bfloat16))
     else:
         param_dtype = torch.bfloat16 if layout == "one-process-bf16" else None
         model = parallelize(build_model(config, seed=0), ParallelDims(), param_dtype=param_dtype)

@@ -12,7 +12,7 @@ Precision is decided here too, with the same numbers on one GPU and on many: wit
 `param_dtype=bf16` the parameters stay float32 (the master copy the optimizer updates) and each
 layer computes on bf16 copies made once per step, its gradients added up in float32. Over several
 ranks FSDP2 gathers those copies (`fsdp.py`); one process keeps them at fixed addresses with no FSDP
-(`mixed_precision.py`: no gather copies, no per-unit hooks, and CUDA graphs can replay). No
+(`mixed_precision.py`: no gather or reduce copies, and CUDA graphs can replay). No
 training step runs under autocast.
 """
 

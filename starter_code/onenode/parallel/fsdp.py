@@ -18,11 +18,13 @@ every data-parallel rank, like the dense parameters.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..model.moe import TopKRouter
+from .mesh import ParallelDims, dp_mesh
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
@@ -80,3 +82,16 @@ def apply_fsdp(
     # The root (embeddings, norm_f, lm_head) is needed again as soon as the forward ends.
     shard(model, dp_mesh, reshard_after_forward=False)
     return model
+
+
+def apply_fsdp_on_one_rank(model: nn.Module, param_dtype: torch.dtype | None) -> DeviceMesh:
+    """`apply_fsdp` over a process group of this process alone (joined here unless one exists):
+    the layout several ranks get, where one process can test it or time it against
+    `mixed_precision.py` (`benchmarks/step_probes.py fsdp-one-rank`). Returns the dp mesh."""
+    device_type = next(model.parameters()).device.type
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    mesh = dp_mesh(ParallelDims().build_mesh(device_type))
+    apply_fsdp(model, mesh, param_dtype=param_dtype)
+    return mesh

@@ -1,5 +1,5 @@
 """Mixed precision in one process, without FSDP: the numbers of FSDP2's mixed precision on a mesh of
-one rank (`fsdp.py`), without its gather copies and per-unit hooks.
+one rank (`fsdp.py`), without its gather and reduce copies; its hooks only swap tensors.
 
 The module's parameters are the float32 masters whenever no forward runs: the optimizer, state dicts
 and checkpoints see only them. Each layer, and the root for what no layer holds, is a unit, as in
@@ -9,8 +9,10 @@ addresses, which CUDA graphs need. An activation-checkpointed layer recomputes o
 sit on the layer inside the checkpoint). As backward produces each copy's gradient it is added to
 its master's in float32 and freed, as FSDP reduces in float32.
 
-Measured on one H200 (benchmarks/results/2026-12-01-h200-single-device): one sequence of 4096
-tokens of the a1-1gpu model 1.56x faster than FSDP2 on one rank, and with CUDA graphs 2.06x.
+Measured on one H200 with a probe of the same layout (a bf16 model, float32 masters in the optimizer;
+benchmarks/results/2026-12-01-h200-single-device): one sequence of 4096 tokens of the a1-1gpu model
+1.56x faster than FSDP2 on one rank, and with CUDA graphs 2.06x. This module itself is yet to be
+timed there (`step_probes.py fsdp-one-rank` against plain `onenode bench`).
 """
 
 from __future__ import annotations
