@@ -105,44 +105,52 @@ def test_sharded_checkpointed_blocks_run_compiled():
     assert calls["checkpointed"] == 2 * calls["layers"]
 
 
-def _bf16_step_graph_breaks(lay_out) -> dict:
+def _bf16_step_graph_breaks(lay_out, checkpointed: bool = False) -> dict:
     """Graph breaks and compiled graphs when the tiny model, MoE blocks included, runs a bf16
-    forward and backward with every block compiled, then laid out by `lay_out(model)`."""
+    forward and backward with every block compiled (and checkpointed), laid out by `lay_out(model)`
+    and with the trainer's router balancing hooked on; the loads the balancer counted, and the
+    count one forward makes (each token's top-k choices, in every MoE layer)."""
     import torch
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     from onenode.model import build_model, get_preset
     from onenode.parallel.layers import prepare_layers
+    from onenode.train.balance import RouterBalancer
 
     torch._dynamo.reset()
     counters.clear()
     config = get_preset("tiny")
     ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     model = build_model(config, seed=0)
-    prepare_layers(model, compile="blocks", backend="aot_eager")
+    prepare_layers(model, compile="blocks", activation_checkpointing=checkpointed, backend="aot_eager")
     lay_out(model)
+    balancer = RouterBalancer(model)
     model(ids, labels=ids).loss.backward()
+    balancer.finish_step(rate=1e-3)
+    moe_layers = config.layer_kinds.count("moe")
     return {"breaks": dict(counters["graph_break"]), "graphs": counters["stats"]["unique_graphs"],
-            "moe_layers": config.layer_kinds.count("moe")}
+            "moe_layers": moe_layers, "load_counted": float(balancer.last_loads.sum()),
+            "load_of_one_forward": ids.numel() * config.num_experts_per_tok * moe_layers}
 
 
-def sharded_step_graph_breaks() -> dict:
+def sharded_step_graph_breaks(checkpointed: bool = False) -> dict:
     """FSDP2 as every multi-rank layout applies it (float32 masters gathered bf16), on a group of one."""
     import torch
 
     from onenode.parallel.fsdp import apply_fsdp_on_one_rank
 
-    return _bf16_step_graph_breaks(lambda model: apply_fsdp_on_one_rank(model, torch.bfloat16))
+    return _bf16_step_graph_breaks(lambda model: apply_fsdp_on_one_rank(model, torch.bfloat16), checkpointed)
 
 
-def one_process_step_graph_breaks() -> dict:
+def one_process_step_graph_breaks(checkpointed: bool = False) -> dict:
     """One process as `parallelize` lays it out: bf16 copies over float32 masters, no FSDP."""
     import torch
 
     from onenode.parallel import ParallelDims, parallelize
 
-    return _bf16_step_graph_breaks(lambda model: parallelize(model, ParallelDims(), param_dtype=torch.bfloat16))
+    return _bf16_step_graph_breaks(lambda model: parallelize(model, ParallelDims(), param_dtype=torch.bfloat16),
+                                   checkpointed)
 
 
 def test_cuda_graphs_compile_every_block_to_replay(monkeypatch):
@@ -165,12 +173,17 @@ def test_cuda_graphs_compile_every_block_to_replay(monkeypatch):
         layers.prepare_layers(model, cuda_graphs=True)
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("layout", ["sharded_step_graph_breaks", "one_process_step_graph_breaks"])
-def test_moe_blocks_compile_without_graph_breaks(layout):
+def test_moe_blocks_compile_without_graph_breaks(layout, checkpointed):
     """In the reference solution's tree (the starter's MoE breaks the graph by design), both ways the
-    kit lays out a bf16 model. Sharded: a router sharded as an FSDP unit of its own would put FSDP's
-    hooks inside the compiled MoE block, two graph breaks per MoE block; it is gathered with its
-    layer instead. One process: the bf16 copies are swapped in outside the compiled blocks."""
-    result = run_in_tree(patched_tree(["1-moe"]), f"test_compile:{layout}")
+    kit lays out a bf16 model, with the trainer's router balancing on. Sharded: a router sharded as
+    an FSDP unit of its own would put FSDP's hooks inside the compiled MoE block, two graph breaks
+    per MoE block; it is gathered with its layer instead. One process: the bf16 copies are swapped
+    in outside the compiled blocks. The balancing hook compiles into the MoE block (its check for a
+    recompute, once a graph break in every MoE block, runs inside an op) and still counts each
+    forward once, the checkpoint's recompute not again."""
+    result = run_in_tree(patched_tree(["1-moe"]), f"test_compile:{layout}", checkpointed=checkpointed)
     assert result["moe_layers"] >= 1
     assert result["breaks"] == {}, result
+    assert result["load_counted"] == result["load_of_one_forward"]

@@ -24,6 +24,22 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+@torch.library.custom_op("onenode::count_expert_load", mutates_args=("load",))
+def count_expert_load(indices: torch.Tensor, load: torch.Tensor) -> None:
+    """Add each expert's number of assignments in `indices` to `load`, unless a checkpointed
+    forward is being recomputed. An op of its own, so that a compiled block calls it as one opaque
+    step: the recompute check reads autograd's state, which dynamo cannot trace (a graph break in
+    every MoE block, each step) and which must be read when the op runs, not when it is traced."""
+    if _recomputing():
+        return
+    load.index_add_(0, indices.flatten(), torch.ones(indices.numel(), device=load.device, dtype=load.dtype))
+
+
+@count_expert_load.register_fake
+def _(indices: torch.Tensor, load: torch.Tensor) -> None:
+    return None
+
+
 def _topk_indices(output) -> torch.Tensor:
     """The integer tensor among a router's outputs: (idx, weight) here, (logits, weight, idx) in HF."""
     for item in output if isinstance(output, (tuple, list)) else (output,):
@@ -33,36 +49,40 @@ def _topk_indices(output) -> torch.Tensor:
 
 
 class RouterBalancer:
-    """Counts expert load per router each step; updates the bias and gives the auxiliary loss."""
+    """Counts expert load per router each step; updates the bias and gives the auxiliary loss.
+
+    Each router's load of the step accumulates in a buffer the balancer gives it (`expert_load`,
+    not persistent: no checkpoint or export holds it), and one hook, the same for every router,
+    adds to it: in a compiled block the hook then compiles into the graph, with no constant that
+    differs from block to block (a per-router key would recompile each MoE block).
+    """
 
     def __init__(self, model: nn.Module, aux_loss: bool = False):
         self.routers = {name: m for name, m in model.named_modules() if name.endswith(ROUTER_SUFFIX)}
         self.aux_loss_enabled = aux_loss
-        self._counts: dict[str, torch.Tensor] = {}
         self._aux_terms: list[torch.Tensor] = []
         self.last_loads: torch.Tensor | None = None  # [routers, experts] of the last finished step
-        self._handles = [m.register_forward_hook(self._hook(name)) for name, m in self.routers.items()]
+        for router in self.routers.values():
+            bias = router.e_score_correction_bias
+            router.register_buffer("expert_load", torch.zeros(bias.numel(), device=bias.device,
+                                                              dtype=torch.float32), persistent=False)
+        self._handles = [m.register_forward_hook(self._hook) for m in self.routers.values()]
 
     def __bool__(self) -> bool:
         return bool(self.routers)
 
-    def _hook(self, name: str):
-        def hook(module: nn.Module, inputs, output):
-            if _recomputing():
-                return
-            idx = _topk_indices(output)
+    def _hook(self, module: nn.Module, inputs, output) -> None:
+        idx = _topk_indices(output)
+        count_expert_load(idx, module.expert_load)
+        if self.aux_loss_enabled and torch.is_grad_enabled() and not _recomputing():
             num_experts = module.e_score_correction_bias.numel()
             counts = torch.zeros(num_experts, device=idx.device, dtype=torch.float32)
             counts.index_add_(0, idx.flatten(), torch.ones(idx.numel(), device=idx.device))
-            self._counts[name] = self._counts.get(name, 0) + counts
-            if self.aux_loss_enabled and torch.is_grad_enabled():
-                x = inputs[0].reshape(-1, module.weight.shape[-1])
-                scores = F.linear(x.float(), module.weight.float()).sigmoid()
-                probs = scores / scores.sum(dim=-1, keepdim=True)
-                fraction = counts / idx.numel()
-                self._aux_terms.append(num_experts * (fraction * probs.mean(dim=0)).sum())
-
-        return hook
+            x = inputs[0].reshape(-1, module.weight.shape[-1])
+            scores = F.linear(x.float(), module.weight.float()).sigmoid()
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+            fraction = counts / idx.numel()
+            self._aux_terms.append(num_experts * (fraction * probs.mean(dim=0)).sum())
 
     def pop_aux_loss(self) -> torch.Tensor | None:
         """Mean over routers of the switch loss of the forwards since the last call."""
@@ -80,11 +100,12 @@ class RouterBalancer:
         routers; 0 is perfect balance) and `load_cv_max` (the worst router).
         """
         self._aux_terms = []
-        names = [n for n in self.routers if n in self._counts]
-        if not names:
+        if not self.routers:
             return {}
-        loads = torch.stack([self._counts[n] for n in names])
-        self._counts = {}
+        names = list(self.routers)
+        loads = torch.stack([self.routers[n].expert_load for n in names])
+        for name in names:
+            self.routers[name].expert_load.zero_()
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(loads, group=group)
         self.last_loads = loads
@@ -99,3 +120,5 @@ class RouterBalancer:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        for router in self.routers.values():
+            del router.expert_load
