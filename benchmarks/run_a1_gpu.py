@@ -8,18 +8,20 @@ at its best layout, transformers' peer, and optionally the solution as an earlie
         --dtype bf16 --timeout 600 --budget 1800                    # the same job on a CPU, tiny (a smoke test)
 
 Every run is `onenode bench` on the `a1-1gpu` preset with the same seeded synthetic batches and the
-same initial weights, in the kit's precision (float32 master weights, bf16 gathered by FSDP2), in
-order of importance:
+same initial weights, in the kit's precision (float32 master weights, bf16 copies for the forward and
+backward: `parallel/mixed_precision.py`), in order of importance:
 
 - `solution`: `solutions/a1/submission.patch` applied to a copy, micro-batch x seq-len (1 x 4096), eager;
 - `solution-compiled`: the same with `--compile blocks` (every block one graph);
+- `solution-cuda-graphs` (on a GPU): the same, each compiled block replayed as a CUDA graph
+  (`--cuda-graphs`): at one sequence the host's kernel launches are what limits the step;
 - `solution-best`: the best layout measured (`--best-micro-batch` 12 sequences, `--compile blocks`, no
   activation checkpointing: 27.2% MFU at 107 GiB, against 25.6% at 8 and 26.4% at 16 sequences, and
   22.9% at 16 with checkpointing; benchmarks/results/2026-12-01-h200-best-layout);
 - `solution-best-mamba-ssm` (where mamba_ssm's Triton SSD imports, `make mamba-ssm`): the best layout
   with that scan (`--mamba-kernel mamba_ssm`), at `--mamba-ssm-micro-batch` 24 sequences: its scan
   keeps less for the backward (75.7 GiB at 12 sequences against the torch scan's 107), so twice the
-  batch fits: 30.0% MFU at 117.8 GiB (benchmarks/results/2026-12-01-h200-mamba-ssm-best-layout);
+  batch fits: 31.0% MFU at 117.8 GiB (benchmarks/results/2026-12-01-h200-one-process);
 - `starter`: the unpatched `starter_code/` (per-expert loop), eager;
 - `transformers`: transformers' `NemotronHForCausalLM`, `grouped_mm` experts, the same weights;
 - `at-<sha>` (one per `--before REV` or `--before-tree`): the solution as commit REV had it, eager,
@@ -215,6 +217,8 @@ def main() -> int:
         ("solution", solution, one),
         ("solution-compiled", solution, [*one, "--compile", "blocks"]),
         ("solution-best", solution, [*best, "--compile", "blocks"]),
+        *([("solution-cuda-graphs", solution, [*one, "--compile", "blocks", "--cuda-graphs"])]
+          if args.device != "cpu" else []),  # refused on a CPU
         ("starter", starter, one),
         ("transformers", solution, [*one, "--impl", "transformers", "--experts-implementation", "grouped_mm"]),
     ]
