@@ -10,6 +10,7 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py router-own-unit -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py one-unit -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py fsdp-one-rank -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py unfused-update -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
 - `tf32`: float32 matmuls (the router, the SSD's cross-chunk carry) on TF32 tensor cores;
@@ -29,7 +30,10 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
   and each unit costs hooks and copy kernels per step;
 - `fsdp-one-rank`: one process laid out as before 2026-12-01, FSDP2's mixed precision over a group
   of one rank, not `parallel/mixed_precision.py`'s bf16 copies (the same numbers); `one-unit` and
-  `router-own-unit` change only that layout: on one process, combine them with it.
+  `router-own-unit` change only that layout: on one process, combine them with it;
+- `unfused-update`: one process in bf16 without `train/master_update.py`'s fused step: the
+  gradients cast to float32 on the masters, clipped, torch's fused AdamW, the copies cast again at
+  the next forward (the kit before 2026-12-01's fused update).
 
 Probes combine: `fsdp-one-rank one-unit -- ...` applies both.
 
@@ -54,6 +58,7 @@ from onenode import bench
 from onenode.cli import main as onenode_main
 from onenode.model import loss
 from onenode.parallel import fsdp, layers
+from onenode.train import master_update
 
 
 def count_host_syncs() -> collections.Counter:
@@ -77,6 +82,12 @@ def compile_forward_in_mode(module: torch.nn.Module, backend: str, mode: str) ->
     module.forward = torch.compile(module.forward, backend=backend, mode=mode)
 
 
+def fsdp_on_one_rank(model: torch.nn.Module, param_dtype: torch.dtype) -> None:
+    """In `apply_mixed_precision`'s place: FSDP2 on a group of one, no master weights handed back
+    (so no fused update either)."""
+    fsdp.apply_fsdp_on_one_rank(model, param_dtype)
+
+
 def marking_step_begin(train_step):
     """`train_step` that first tells CUDA graph trees a new iteration begins, so each block's graph
     replays instead of waiting on the backwards of the step before."""
@@ -94,7 +105,7 @@ def main() -> int:
                                      usage="%(prog)s PROBE [PROBE ...] [--logits N] [--mode M] -- BENCH_OPTIONS")
     parser.add_argument("probes", nargs="+", metavar="PROBE",
                         choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
-                                 "router-own-unit", "one-unit", "fsdp-one-rank"])
+                                 "router-own-unit", "one-unit", "fsdp-one-rank", "unfused-update"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
     parser.add_argument("--mode", choices=["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="compile-mode: torch.compile's mode for every compiled layer")
@@ -123,7 +134,9 @@ def main() -> int:
         elif probe == "one-unit":
             fsdp._layers = lambda model: []
         elif probe == "fsdp-one-rank":
-            onenode.parallel.apply_mixed_precision = fsdp.apply_fsdp_on_one_rank
+            onenode.parallel.apply_mixed_precision = fsdp_on_one_rank
+        elif probe == "unfused-update":
+            master_update.applies = lambda *args: False
         elif not torch.cuda.is_available():
             parser.error("host-syncs counts waits for a CUDA GPU: none is visible here")
         else:

@@ -153,3 +153,87 @@ def test_bench_bf16_on_cpu(tmp_path):
     bf16 = json.loads(out.read_text())
     assert bf16["layout"]["dtype"] == "bf16" and fp32["layout"]["dtype"] == "fp32"
     assert bf16["steps"]["losses"] == pytest.approx(fp32["steps"]["losses"], abs=0.05)
+
+
+def _train_one_micro_batch(config, fused: bool, steps: int = 4, accumulation_steps: int = 1):
+    """`steps` bf16 steps of the tiny model on one process, clipped hard; the fused update's calls."""
+    from onenode.train import master_update
+
+    ids, labels = _batch(config, batch=2)
+    parallel = parallelize(build_model(config, seed=0), ParallelDims(), param_dtype=torch.bfloat16)
+    if not fused:  # the same layout, its master weights not handed to the step: the unfused update
+        parallel = ParallelModel(parallel.model)
+    optimizer = build_optimizer(parallel, lr=3e-3)
+    calls = []
+    original = master_update.clip_and_update
+    master_update.clip_and_update = lambda *args: calls.append(1) or original(*args)
+    try:
+        records = [train_step(parallel, optimizer, ids, labels, grad_clip=0.5, accumulation_steps=accumulation_steps)
+                   for _ in range(steps)]
+    finally:
+        master_update.clip_and_update = original
+    return parallel, optimizer, records, len(calls)
+
+
+def test_fused_update_takes_the_unfused_step():
+    """One micro-batch in bf16 on one process: the clip, AdamW and the copies' refresh fused over the
+    bf16 gradients (`train/master_update.py`) take the step that float32 gradients, the clip, torch's
+    AdamW and the cast at the next forward take, to float32 rounding. The first step is the unfused
+    one (it makes the optimizer's state), so both runs take the second from the same weights and
+    gradients; the copies then hold the updated masters, and the state is torch's."""
+    config = get_preset("tiny")
+    fused, fused_opt, fused_steps, fused_calls = _train_one_micro_batch(config, fused=True, steps=2)
+    plain, plain_opt, plain_steps, plain_calls = _train_one_micro_batch(config, fused=False, steps=2)
+    assert (fused_calls, plain_calls) == (1, 0)
+    assert all(step["grad_norm"] > 0.5 for step in plain_steps)  # the clip scales every step
+    assert [s["loss"] for s in fused_steps] == [s["loss"] for s in plain_steps]
+    assert fused_steps[1]["grad_norm"] == pytest.approx(plain_steps[1]["grad_norm"], rel=1e-6)
+    initial = build_model(config, seed=0)
+    for (name, master), reference in zip(fused.named_parameters(), plain.parameters()):
+        step = (reference - initial.get_parameter(name)).abs().max()
+        assert step > 0, name  # both steps moved every parameter
+        assert (master - reference).abs().max() <= 1e-4 * step, name  # rounding, not another step
+        copy = fused.master_weights.copy_of.get(id(master))
+        if copy is not None:
+            assert torch.equal(copy, master.to(copy.dtype)), name
+    # so the next forward takes them as they are, without casting the masters again
+    assert all(unit.copied_versions == [m._version for m in unit.masters] for unit in fused.master_weights.units)
+    fused_state, plain_state = fused_opt.state_dict()["state"], plain_opt.state_dict()["state"]
+    assert fused_state.keys() == plain_state.keys()
+    for key, entry in fused_state.items():
+        assert entry.keys() == plain_state[key].keys()
+        assert float(entry["step"]) == float(plain_state[key]["step"]) == 2
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(entry[moment], plain_state[key][moment], rtol=1e-5, atol=1e-12), (key, moment)
+    # and it trains on: the next steps are fused too, the loss goes down
+    records = [train_step(fused, fused_opt, *_batch(config, batch=2), grad_clip=0.5)["loss"] for _ in range(3)]
+    assert records[-1] < fused_steps[-1]["loss"]
+
+
+def test_fused_update_waits_for_one_micro_batch():
+    """Several micro-batches add their gradients up in float32 on the masters: the unfused step."""
+    _, _, records, calls = _train_one_micro_batch(get_preset("tiny"), fused=True, steps=2, accumulation_steps=2)
+    assert calls == 0 and records[-1]["loss"] < records[0]["loss"]
+
+
+def test_fused_update_compiles_as_one_graph():
+    """The update as a GPU runs it, compiled (here with no code generation: aot_eager, fullgraph),
+    computes what it computes uncompiled."""
+    from onenode.train import master_update
+
+    def inputs():  # the same every call
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.randn(8, 4, generator=gen), torch.randn(5, generator=gen)]
+        grads = [torch.randn(8, 4, generator=gen).bfloat16(), torch.randn(5, generator=gen)]
+        moments = [[torch.rand(p.shape, generator=gen) for p in params] for _ in range(2)]
+        return (params, grads, *moments, [torch.tensor(3.0), torch.tensor(3.0)],
+                [torch.empty(8, 4, dtype=torch.bfloat16), None])
+
+    eager, compiled = inputs(), inputs()
+    scalars = (torch.tensor(1e-2), torch.tensor(0.5), 0.9, 0.95, 1e-8, 0.1)
+    master_update._adamw(*eager, *scalars)
+    torch.compile(master_update._adamw, backend="aot_eager", fullgraph=True)(*compiled, *scalars)
+    for a, b in zip(eager, compiled):
+        for x, y in zip(a, b):
+            assert (x is None and y is None) or torch.allclose(x, y, rtol=1e-6), (x, y)
+    assert torch.equal(eager[5][0], eager[0][0].bfloat16()) and float(eager[4][0]) == 4.0

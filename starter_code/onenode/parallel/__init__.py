@@ -30,7 +30,7 @@ from ..model.loss import cross_entropy_loss
 from .expert_parallel import apply_expert_parallel
 from .fsdp import apply_fsdp
 from .mesh import ParallelDims, dp_mesh
-from .mixed_precision import apply_mixed_precision
+from .mixed_precision import MasterWeights, apply_mixed_precision
 from .pipeline import PipelineRunner, build_pipeline
 
 __all__ = ["ParallelDims", "ParallelModel", "dp_mesh", "parallelize", "shard_data_parallel", "apply_expert_parallel",
@@ -48,8 +48,10 @@ class ParallelModel:
     rank's stages and their schedule instead. `pp_mesh`: each rank holds other parameters, so
     gradient norms add up over it. `ep_mesh` is set only when the routed experts are split over it:
     each rank holds other experts, so their gradient norms add up there. `dp_mesh`: the ranks that
-    see different data (loss means, router loads, data shards). Its parameters and modules iterate
-    like a model's, for optimizers, load balancing and checks.
+    see different data (loss means, router loads, data shards). `master_weights`: one process in
+    bf16, the float32 masters' copies (`mixed_precision.py`), which the training step's fused update
+    writes. Its parameters and modules iterate like a model's, for optimizers, load balancing and
+    checks.
     """
 
     model: nn.Module | None = None
@@ -57,6 +59,7 @@ class ParallelModel:
     dp_mesh: DeviceMesh | None = None
     pp_mesh: DeviceMesh | None = None
     ep_mesh: DeviceMesh | None = None
+    master_weights: MasterWeights | None = None
 
     @property
     def stage_modules(self) -> list[nn.Module]:
@@ -113,9 +116,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtyp
     if pipeline_options and dims.pp == 1:
         raise ValueError(f"pipeline options {sorted(pipeline_options)} need pp > 1: drop them or set pp")
     if dims.world_size == 1:
-        if _mixed_precision(param_dtype):
-            apply_mixed_precision(model, param_dtype)
-        return ParallelModel(model)
+        weights = apply_mixed_precision(model, param_dtype) if _mixed_precision(param_dtype) else None
+        return ParallelModel(model, master_weights=weights)
     mesh = dims.build_mesh(_device_type(model))
     data_mesh = dp_mesh(mesh)
     if dims.pp == 1:

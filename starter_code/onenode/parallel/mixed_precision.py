@@ -16,6 +16,8 @@ CUDA graphs (`onenode bench --cuda-graphs`) 1.99x.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -23,9 +25,12 @@ from ..model.moe import TopKRouter
 from .fsdp import _layers, _router_needs_own_unit
 
 
-def _add_grad_to(master: nn.Parameter):
-    """The hook that moves a copy's gradient into its master's, in the master's dtype."""
+def _add_grad_to(master: nn.Parameter, weights: MasterWeights):
+    """The hook that moves a copy's gradient into its master's, in the master's dtype; while
+    `weights.defer_grads` is set it leaves the gradient on the copy, for a fused update to read."""
     def add(copy: torch.Tensor) -> None:
+        if weights.defer_grads:
+            return
         grad, copy.grad = copy.grad, None
         if master.grad is None:
             master.grad = grad.to(master.dtype)
@@ -63,13 +68,45 @@ class CastUnit:
         module.register_forward_hook(self.swap_out, always_call=True)
 
 
-def apply_mixed_precision(module: nn.Module, param_dtype: torch.dtype) -> list[CastUnit]:
+class MasterWeights:
+    """A module's float32 masters and their `param_dtype` copies, over all its units.
+
+    `defer_grads`: a backward leaves each gradient on its copy (in `param_dtype`) instead of adding
+    it to the master. A training step of one micro-batch sets it, so that the optimizer reads the
+    bf16 gradients and writes the copies in the pass that updates the masters (`train/step.py`):
+    the float32 gradients, and the copies' refresh from the masters, cost a read and a write of every
+    parameter each. With several micro-batches the gradients add up in float32, on the masters.
+    """
+
+    def __init__(self):
+        self.units: list[CastUnit] = []
+        self.copy_of: dict[int, nn.Parameter] = {}  # id(master) -> its copy
+        self.defer_grads = False
+
+    @contextlib.contextmanager
+    def deferring_grads(self):
+        """Within: backward leaves the gradients on the copies (none left over from before)."""
+        for copy in self.copy_of.values():
+            copy.grad = None
+        self.defer_grads = True
+        try:
+            yield
+        finally:
+            self.defer_grads = False
+
+    def copies_written(self) -> None:
+        """The copies hold the masters as they are now: the next forward need not refresh them."""
+        for unit in self.units:
+            unit.copied_versions = [m._version for m in unit.masters]
+
+
+def apply_mixed_precision(module: nn.Module, param_dtype: torch.dtype) -> MasterWeights:
     """Run `module` in `param_dtype` over its float32 masters, in place: one unit per layer, one for
     the root; the routers of a layer built in mixed dtypes stay as stored (as `fsdp.apply_fsdp`
-    keeps them). Returns the units."""
+    keeps them). Returns the masters and their copies."""
     kept = {id(p) for layer in _layers(module) if _router_needs_own_unit(layer)
             for m in layer.modules() if isinstance(m, TopKRouter) for p in m.parameters()}
-    copies: dict[int, nn.Parameter] = {}
+    weights = MasterWeights()
 
     def slots_of(modules) -> list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]:
         slots = []
@@ -77,12 +114,12 @@ def apply_mixed_precision(module: nn.Module, param_dtype: torch.dtype) -> list[C
             for name, master in owner._parameters.items():
                 if master is None or master.dtype != torch.float32 or id(master) in kept:
                     continue
-                if id(master) not in copies:
+                if id(master) not in weights.copy_of:
                     copy = nn.Parameter(torch.empty_like(master, dtype=param_dtype), requires_grad=master.requires_grad)
                     if master.requires_grad:
-                        copy.register_post_accumulate_grad_hook(_add_grad_to(master))
-                    copies[id(master)] = copy
-                slots.append((owner, name, master, copies[id(master)]))
+                        copy.register_post_accumulate_grad_hook(_add_grad_to(master, weights))
+                    weights.copy_of[id(master)] = copy
+                slots.append((owner, name, master, weights.copy_of[id(master)]))
         return slots
 
     units, in_layers = [], set()
@@ -93,4 +130,5 @@ def apply_mixed_precision(module: nn.Module, param_dtype: torch.dtype) -> list[C
     units.append((module, CastUnit(slots_of(m for m in module.modules() if id(m) not in in_layers))))
     for hooked, unit in units:
         unit.hook(hooked)
-    return [unit for _, unit in units]
+    weights.units = [unit for _, unit in units]
+    return weights

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from ..parallel import ParallelModel
+from . import master_update
 from .optim import build_adamw, build_muon
 
 __all__ = ["build_optimizer", "clip_grad_norm_", "train_step"]
@@ -148,16 +149,25 @@ def train_step(
     """
     parallel = model if isinstance(model, ParallelModel) else ParallelModel(model)
     optimizer.zero_grad(set_to_none=True)
+    weights = parallel.master_weights
+    fused = master_update.applies(weights, optimizer, accumulation_steps)
     if parallel.pipeline is not None:
         if accumulation_steps > 1 or aux_loss_fn is not None:
             raise ValueError("pipeline parallelism splits the batch into its own microbatches and computes the "
                              "loss on its last stage: no accumulation_steps or aux_loss_fn with pp > 1")
         loss, aux = parallel.pipeline.step(input_ids, labels), None
+    elif fused:  # the gradients stay bf16 on the copies, for the fused update
+        with weights.deferring_grads():
+            loss, aux = _forward_backward(parallel.model, input_ids, labels, 1, aux_loss_fn, aux_loss_coef)
     else:
         loss, aux = _forward_backward(parallel.model, input_ids, labels, accumulation_steps, aux_loss_fn,
                                       aux_loss_coef)
-    grad_norm = clip_grad_norm_(parallel.parameters(), grad_clip, pp_mesh=parallel.pp_mesh, ep_mesh=parallel.ep_mesh)
-    optimizer.step()
+    if fused:
+        grad_norm = master_update.clip_and_update(weights, optimizer, grad_clip)
+    else:
+        grad_norm = clip_grad_norm_(parallel.parameters(), grad_clip, pp_mesh=parallel.pp_mesh,
+                                    ep_mesh=parallel.ep_mesh)
+        optimizer.step()
     # The step's one wait for the device, with all of its work queued: the numbers it reports.
     value = None if loss is None else float(loss)
     if value is not None and not math.isfinite(value):
