@@ -18,7 +18,7 @@ from onenode.parallel import ParallelDims, ParallelModel, parallelize
 from onenode.parallel.fsdp import apply_fsdp_on_one_rank
 from onenode.parallel.layers import prepare_layers
 from onenode.train.recipe import load_recipe
-from onenode.train.step import build_optimizer, train_step
+from onenode.train.step import build_optimizer, clip_grad_norm_, train_step
 from onenode.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -237,3 +237,40 @@ def test_fused_update_compiles_as_one_graph():
         for x, y in zip(a, b):
             assert (x is None and y is None) or torch.allclose(x, y, rtol=1e-6), (x, y)
     assert torch.equal(eager[5][0], eager[0][0].bfloat16()) and float(eager[4][0]) == 4.0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the compiled update runs on a GPU"))])
+def test_fused_update_is_torch_adamw_on_the_same_gradients(device):
+    """Given the same bf16 gradients, the fused update (compiled on a GPU) and the unfused one (the
+    gradients cast to float32, clipped, torch's AdamW: fused on a GPU) agree to float32 rounding, on
+    two steps after the first (which makes the state). No forward runs: nothing else differs."""
+    from onenode.train import master_update
+
+    config = get_preset("tiny")
+
+    def train(fused: bool):
+        parallel = parallelize(build_model(config, seed=0, device=device), ParallelDims(), param_dtype=torch.bfloat16)
+        weights = parallel.master_weights
+        optimizer = build_optimizer(parallel, lr=3e-3)
+        gen = torch.Generator(device=device).manual_seed(0)
+        for step in range(3):
+            for master in parallel.parameters():
+                grad = torch.randn(master.shape, generator=gen, device=device).mul_(0.1).bfloat16()
+                if fused and step > 0:
+                    weights.copy_of[id(master)].grad = grad
+                else:
+                    master.grad = grad.float()
+            if fused and step > 0:
+                master_update.clip_and_update(weights, optimizer, 0.5)
+            else:
+                clip_grad_norm_(parallel.parameters(), 0.5)
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return parallel
+
+    fused, plain = train(fused=True), train(fused=False)
+    initial = build_model(config, seed=0, device=device)
+    for (name, master), reference in zip(fused.named_parameters(), plain.parameters()):
+        moved = (reference - initial.get_parameter(name)).abs().max()
+        assert (master - reference).abs().max() <= 1e-4 * moved, name

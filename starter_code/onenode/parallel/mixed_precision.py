@@ -7,11 +7,15 @@ FSDP: around its forward the unit swaps in `param_dtype` copies of its parameter
 the masters when these have changed (an optimizer step, a loaded checkpoint) and kept at fixed
 addresses, which CUDA graphs need. An activation-checkpointed layer recomputes on them too (the hooks
 sit on the layer inside the checkpoint). As backward produces each copy's gradient it is added to
-its master's in float32 and freed, as FSDP reduces in float32.
+its master's in float32 and freed, as FSDP reduces in float32; or, for a step of one micro-batch,
+left on the copy for `train/master_update.py`, which updates the masters and writes the copies in
+one pass (`MasterWeights.defer_grads`).
 
 Measured on one H200 (benchmarks/results/2026-12-01-h200-one-process): one sequence of 4096 tokens
 of the a1-1gpu model 1.54x faster than FSDP2 on one rank (`step_probes.py fsdp-one-rank`), and with
-CUDA graphs (`onenode bench --cuda-graphs`) 1.99x.
+CUDA graphs (`onenode bench --cuda-graphs`) 1.99x; with the fused update as well 15.3% MFU, 2.51x the
+FSDP figure of the other job (
+benchmarks/results/2026-12-01-h200-fused-update).
 """
 
 from __future__ import annotations
