@@ -12,10 +12,9 @@ left on the copy for `train/master_update.py`, which updates the masters and wri
 one pass (`MasterWeights.defer_grads`).
 
 Measured on one H200 (benchmarks/results/2026-12-01-h200-one-process): one sequence of 4096 tokens
-of the a1-1gpu model 1.54x faster than FSDP2 on one rank (`step_probes.py fsdp-one-rank`), and with
-CUDA graphs (`onenode bench --cuda-graphs`) 1.99x; with the fused update as well 15.3% MFU, 2.51x the
-FSDP figure of the other job (
-benchmarks/results/2026-12-01-h200-fused-update).
+of the a1-1gpu model 1.54x faster than FSDP2 on one rank (`step_probes.py fsdp-one-rank`), 1.99x with
+CUDA graphs (`onenode bench --cuda-graphs`); with the fused update as well, 15.3% MFU
+(benchmarks/results/2026-12-01-h200-fused-update).
 """
 
 from __future__ import annotations
