@@ -125,7 +125,8 @@ def test_bf16_train_step_trains_and_accumulates():
 def test_bf16_trainer_resumes_exactly(tmp_path, micro_batch):
     """With two micro-batches a step is the unfused one; with one, `train/master_update.py`'s."""
     recipe = load_recipe(ROOT / "a2_pretrain" / "recipes" / "tiny.yaml", {
-        "train.precision": "bf16", "train.seq_len": 32, "train.global_batch_size": 4, "train.micro_batch_size": micro_batch,
+        "train.precision": "bf16", "train.seq_len": 32, "train.global_batch_size": 4,
+        "train.micro_batch_size": micro_batch,
         "train.token_budget": 512, "checkpoint.every_steps": 0, "eval.every_steps": 0, "eval.batches": 1,
         "log.every_steps": 1, "log.progress_bar": False})
     straight = Trainer(recipe, tmp_path / "a", resume=None)
