@@ -173,8 +173,9 @@ def test_cuda_graphs_compile_every_block_to_replay(monkeypatch):
         layers.prepare_layers(model, cuda_graphs=True)
 
 
-@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
-@pytest.mark.parametrize("layout", ["sharded_step_graph_breaks", "one_process_step_graph_breaks"])
+@pytest.mark.parametrize(("layout", "checkpointed"), [("sharded_step_graph_breaks", False),
+                                                     ("one_process_step_graph_breaks", True)],
+                         ids=["sharded-plain", "one-process-checkpointed"])
 def test_moe_blocks_compile_without_graph_breaks(layout, checkpointed):
     """In the reference solution's tree (the starter's MoE breaks the graph by design), both ways the
     kit lays out a bf16 model, with the trainer's router balancing on. Sharded: a router sharded as
