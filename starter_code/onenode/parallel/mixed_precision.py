@@ -89,13 +89,16 @@ class MasterWeights:
     @contextlib.contextmanager
     def deferring_grads(self):
         """Within: backward leaves the gradients on the copies (none left over from before)."""
-        for copy in self.copy_of.values():
-            copy.grad = None
+        self.drop_copy_grads()
         self.defer_grads = True
         try:
             yield
         finally:
             self.defer_grads = False
+
+    def drop_copy_grads(self) -> None:
+        for copy in self.copy_of.values():
+            copy.grad = None
 
     def copies_written(self) -> None:
         """The copies hold the masters as they are now: the next forward need not refresh them."""

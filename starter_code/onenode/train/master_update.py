@@ -92,7 +92,6 @@ def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_no
         update(params, group_grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                [s["step"] for s in states], copies, torch.full((), group["lr"], device=params[0].device), coef,
                beta1, beta2, group["eps"], group["weight_decay"])
-    for copy in weights.copy_of.values():
-        copy.grad = None
+    weights.drop_copy_grads()
     weights.copies_written()
     return total_norm
