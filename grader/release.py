@@ -5,15 +5,17 @@ grader applies (`a/starter_code/onenode/...`):
 
     README.md            install, `onenode bench`, the public tests, the report, how to submit
     pyproject.toml       the kit's, without the grader: package and CLI `onenode` only
-    starter_code/onenode the stack (A2: with the reference A1 patch applied, DESIGN.md)
+    starter_code/onenode the stack (A2: with the reference A1 patch applied, docs/DESIGN.md)
     tests/conftest.py    what the public tests import from the kit's tests/ (cache folders,
     tests/dist_utils.py  the gloo process runner), nothing else of it
     a1_infra/ | a2_pretrain/   the handout (README.md once written), rubric, recipes, public tests
+    benchmarks/results/  the records the handout links to, at the paths they have in the kit
     report.ipynb         nbgrader's release version: no solutions, no hidden tests
 
 COURSE is the TAs' nbgrader working folder (gradebook.db, source/, release/), never part of DIR.
-Before DIR appears, the bundle is checked: no solution or hidden-test region, and for A1 no line
-of the reference patch (every added line over 30 characters not already in the starter).
+Before DIR appears, the bundle is checked: no solution or hidden-test region, for A1 no line of
+the reference patch (every added line over 30 characters not already in the starter), and every
+relative link of its Markdown files resolves to a file inside the bundle.
 """
 
 from __future__ import annotations
@@ -31,10 +33,21 @@ from .rubric import KIT_ROOT, tomllib
 from .submission import load_submission, patched_tree, pristine_tree
 
 SOLUTIONS_A1 = KIT_ROOT / "solutions" / "a1"
+RECORDS = KIT_ROOT / "benchmarks" / "results"
 TEST_SUPPORT = ("tests/conftest.py", "tests/dist_utils.py")
 FORBIDDEN_MARKERS = ("BEGIN HIDDEN TESTS", "END HIDDEN TESTS", "BEGIN SOLUTION", "END SOLUTION")
 MIN_LEAK_CHARS = 30
 _SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".pytest_cache")
+# A Markdown link's target: `[text](target)`, `[text](target "title")`, `[text](target#anchor)`.
+_LINK = re.compile(r"\]\((?P<target>[^\s)#]*)(?:#[^\s)]*)?(?:\s+\"[^\"]*\")?\)")
+_URL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)
+RECORDS_README = """# Records
+
+The measurements the handout quotes, copied from the course kit's `benchmarks/results/` when this
+repository was released. Each JSON file is a record as `onenode bench`, `onenode train` or the
+grader wrote it: the command, the commit, the versions, the hardware and every figure. The kit
+holds the other records and the notes that go with them.
+"""
 
 
 class ReleaseError(ValueError):
@@ -141,9 +154,52 @@ def leaks(bundle: Path, secret_lines: set[str]) -> list[str]:
     return found
 
 
+def relative_links(markdown: str) -> list[str]:
+    """The targets of the Markdown links in `markdown` that point at a file by a relative path
+    (not a URL, not an anchor of the same page), anchors and titles dropped."""
+    return [m.group("target") for m in _LINK.finditer(markdown)
+            if m.group("target") and not _URL.match(m.group("target")) and not m.group("target").startswith("/")]
+
+
+def dead_links(bundle: Path) -> list[str]:
+    """`file: target` for every relative link of a Markdown file in `bundle` that does not
+    resolve to a file inside `bundle` (a link out of it is dead where students read it)."""
+    bundle = bundle.resolve()
+    dead = []
+    for path, text in text_files(bundle):
+        if path.suffix == ".md":
+            for target in relative_links(text):
+                resolved = (path.parent / target).resolve()
+                if bundle not in resolved.parents or not resolved.is_file():
+                    dead.append(f"{path.relative_to(bundle)}: {target}")
+    return dead
+
+
+def copy_linked_records(stage: Path) -> list[Path]:
+    """Copy into `stage` every file of the kit's `benchmarks/results/` that a Markdown file in
+    `stage` links to, at the path it has in the kit, so that the handout's links to its records
+    resolve in the release; the records it copied, relative to `stage`."""
+    copied = []
+    for path, text in text_files(stage):
+        if path.suffix != ".md":
+            continue
+        in_kit = KIT_ROOT / path.relative_to(stage)
+        for target in relative_links(text):
+            record = (in_kit.parent / target).resolve()
+            if RECORDS in record.parents and record.is_file():
+                rel = record.relative_to(KIT_ROOT)
+                if not (stage / rel).is_file():
+                    _copy(record, stage / rel)
+                    copied.append(rel)
+    if copied:
+        (stage / RECORDS.relative_to(KIT_ROOT) / "README.md").write_text(RECORDS_README)
+    return sorted(copied)
+
+
 def starter_tree(assignment: str, dest: Path) -> Path:
     """The starter students get for `assignment`, at `dest/starter_code`: the kit's, with the
-    reference A1 patch applied where the assignment starts from the fixed stack (A2, DESIGN.md)."""
+    reference A1 patch applied where the assignment starts from the fixed stack (A2,
+    docs/DESIGN.md)."""
     if not HANDOUTS[assignment].with_reference_a1:
         return pristine_tree(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -168,6 +224,7 @@ def build(assignment: str, stage: Path, course: Path) -> None:
     for part in handout.parts:
         if (KIT_ROOT / handout.folder / part).exists():
             _copy(KIT_ROOT / handout.folder / part, stage / handout.folder / part)
+    copy_linked_records(stage)
     has_tests = (stage / handout.folder / "tests").is_dir()
     testpaths = [f"{handout.folder}/tests"] if has_tests else []
     (stage / "pyproject.toml").write_text(student_pyproject((KIT_ROOT / "pyproject.toml").read_text(), testpaths))
@@ -206,6 +263,10 @@ def release(assignment: str, out: Path, course: Path, force: bool = False) -> Pa
         if found:
             raise ReleaseError(f"the {assignment} release would leak ({len(found)} hits, first: {found[0]}): "
                                "fix the source")
+        dead = dead_links(stage)
+        if dead:
+            raise ReleaseError(f"the {assignment} release has {len(dead)} links to nothing inside it (first: "
+                               f"{dead[0]}): link a file the release carries, or a URL")
         if out.exists():
             shutil.rmtree(out)
         os.replace(stage, out)

@@ -1,13 +1,18 @@
 """The student release and the notebook's grading cycle.
 
-Fast: the leak check catches what it must, the student pyproject has no grader, bad arguments
-fail before anything is built. Slow (nbgrader runs): the A1 release bundle leaks nothing and
-installs; one full cycle on CPU (release, two students, sandboxed autograde, feedback, export,
-a manual grade, export again); the A2 release carries the fixed stack.
+Fast: the leak check catches what it must, the dead-link check finds links to nothing and out of
+the bundle, the records a handout links are copied with it, the student pyproject has no grader,
+bad arguments fail before anything is built. Slow (nbgrader runs): the A1 release bundle leaks
+nothing, installs, and every relative link of its Markdown files resolves inside it; one full
+cycle on CPU (release, two students, sandboxed autograde, feedback, export, a manual grade, export
+again); the A2 release carries the fixed stack and its links resolve too.
 """
 
 import csv
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +21,7 @@ import pytest
 
 from grader import hints, notebook, report
 from grader.export import export
-from grader.release import HANDOUTS, ReleaseError, leaks, release, student_pyproject
+from grader.release import HANDOUTS, ReleaseError, copy_linked_records, dead_links, leaks, release, student_pyproject
 from grader.report import results_json
 from grader.rubric import tomllib
 
@@ -27,6 +32,22 @@ PATCH = SOLUTIONS / "a1" / "submission.patch"
 
 def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def _links_to_nothing(bundle: Path) -> list[str]:
+    """The spec, written out again here: every `](target)` of a Markdown file in the bundle that
+    is not a URL or an anchor must name a file inside the bundle."""
+    bundle = bundle.resolve()
+    dead = []
+    for md in bundle.rglob("*.md"):
+        for target in re.findall(r"\]\(([^\s)]+)", md.read_text()):
+            target = target.split("#")[0]
+            if not target or "://" in target or target.startswith("mailto:"):
+                continue
+            resolved = (md.parent / target).resolve()
+            if not resolved.is_relative_to(bundle) or not resolved.is_file():
+                dead.append(f"{md.relative_to(bundle)}: {target}")
+    return dead
 
 
 def _added_reference_lines(starter: Path) -> set[str]:
@@ -47,6 +68,35 @@ def test_leak_check_finds_markers_and_reference_lines(tmp_path):
     assert any(f.startswith("a/x.py: secret line") for f in found)
     assert any(f.startswith("b.ipynb: 'BEGIN HIDDEN TESTS'") for f in found)
     assert not any(f.startswith("c.txt") for f in found)
+
+
+def test_dead_link_check_finds_links_to_nothing_and_out_of_the_bundle(tmp_path):
+    bundle = tmp_path / "bundle"
+    (bundle / "docs").mkdir(parents=True)
+    (bundle / "record.json").write_text("{}")
+    (bundle / "docs" / "b.md").write_text("# B\n")
+    (tmp_path / "outside.md").write_text("exists, but not in the bundle\n")
+    (bundle / "docs" / "a.md").write_text(
+        '[ok](../record.json "results.mfu") [ok](b.md#b) [same page](#top) [web](https://example.org/x.md)\n'
+        "[gone](../missing.json) [out](../../outside.md) [folder](../docs)\n")
+    assert sorted(dead_links(bundle)) == ["docs/a.md: ../../outside.md", "docs/a.md: ../docs",
+                                          "docs/a.md: ../missing.json"]
+    assert sorted(_links_to_nothing(bundle)) == sorted(dead_links(bundle))
+
+
+@pytest.mark.parametrize("folder", [handout.folder for handout in HANDOUTS.values()])
+def test_the_records_a_handout_links_travel_with_it(tmp_path, folder):
+    """The handout as the release copies it, then the records it links: every link resolves."""
+    stage = tmp_path / "stage"
+    shutil.copytree(ROOT / folder, stage / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    text = (stage / folder / "README.md").read_text()
+    targets = re.findall(r"\]\((\.\./benchmarks/results/[^\s)]+)", text)
+    linked = {os.path.normpath(f"{folder}/{target}") for target in targets}
+    assert linked, f"{folder}/README.md links no record"
+    assert _links_to_nothing(stage), "before the records are copied, their links are dead"
+    assert {str(p) for p in copy_linked_records(stage)} == linked
+    assert _links_to_nothing(stage) == [] and dead_links(stage) == []
+    assert (stage / "benchmarks" / "results" / "README.md").is_file()
 
 
 def test_the_slow_paths_describe_what_they_do_not_the_fix():
@@ -126,6 +176,13 @@ def test_a1_release_leaks_nothing(a1_release):
 
 
 @pytest.mark.slow
+def test_a1_release_links_resolve_inside_it(a1_release):
+    bundle = a1_release / "student"
+    assert list((bundle / "benchmarks" / "results").rglob("*.json")), "the handout's records are not in the release"
+    assert _links_to_nothing(bundle) == []
+
+
+@pytest.mark.slow
 def test_a1_release_installs_and_collects_its_public_tests(a1_release):
     bundle = a1_release / "student"
     pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--dry-run",
@@ -200,3 +257,4 @@ def test_a2_release_is_the_fixed_stack(tmp_path):
     assert (bundle / "report.ipynb").is_file() and (bundle / "a2_pretrain" / "recipes" / "baseline.yaml").is_file()
     markers = (b"BEGIN HIDDEN TESTS", b"BEGIN SOLUTION")
     assert not [p for p in _files(bundle) if any(marker in p.read_bytes() for marker in markers)]
+    assert list((bundle / "benchmarks" / "results").rglob("*.json")) and _links_to_nothing(bundle) == []
