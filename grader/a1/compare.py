@@ -1,63 +1,90 @@
 """A1's comparisons of what a child returns with the starter's, made here in the grader, never
-in the child: anything malformed or not finite is infinitely wrong."""
+in the child. The child's answer is checked for shape, length and type before any value is
+compared: anything missing, extra, of the wrong type or not finite is infinitely wrong."""
 
 from __future__ import annotations
 
 import math
 
 
+def _number(x) -> float | None:
+    """`x` as a finite float, or None when it is anything else (a bool, a string, NaN, inf)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        return None
+    return float(x)
+
+
 def relative_error(a, b, scale: float) -> float:
-    """|a - b| / scale."""
-    try:
-        error = abs(float(a) - float(b)) / max(scale, 1e-30)
-    except (TypeError, ValueError):
+    """|a - b| / scale, inf unless both are finite numbers."""
+    a, b = _number(a), _number(b)
+    if a is None or b is None:
         return math.inf
+    error = abs(a - b) / max(abs(scale), 1e-30)
     return error if math.isfinite(error) else math.inf
 
 
-def moe_error(ref: list[dict], sub: list[dict]) -> float:
-    """Worst relative error between the MoE digests of one workload (see harness `_sketch`
-    and `_grad_norms`)."""
-    if not isinstance(sub, list) or len(sub) != len(ref):
+def _same_length(ref, sub) -> bool:
+    return isinstance(sub, list) and len(sub) == len(ref)
+
+
+def moe_error(ref: list[list[dict]], sub: list[list[dict]]) -> float:
+    """Worst relative error between the MoE digests of every workload (a list per workload, a
+    digest per forward+backward pass: see harness `MoeSession.step`)."""
+    if not _same_length(ref, sub) or not ref:
         return math.inf
-    return max(_moe_digest_error(r, s) for r, s in zip(ref, sub))
+    errors = [0.0]
+    for ref_workload, sub_workload in zip(ref, sub):
+        if not _same_length(ref_workload, sub_workload):
+            return math.inf
+        errors += [_moe_digest_error(r, s) for r, s in zip(ref_workload, sub_workload)]
+    return max(errors)
 
 
-def _sketch_errors(ref: list, sub: list) -> list[float]:
-    """A sketch is projections then the norm (harness `_sketch`): each error relative to the norm."""
-    if len(ref) != len(sub):
+def _sketch_errors(ref: list, sub, scale: float) -> list[float]:
+    """A sketch is projections then the norm (harness `_sketch`): each entry's error relative to
+    `scale`."""
+    if not _same_length(ref, sub):
         return [math.inf]
-    return [relative_error(a, b, abs(ref[-1])) for a, b in zip(sub, ref)]
+    return [relative_error(a, b, scale) for a, b in zip(sub, ref)]
 
 
-def _moe_digest_error(ref: dict, sub: dict) -> float:
-    """Output, input gradient, each expert's gradients on their own (so a gradient in another
-    expert's slot, or of the wrong sign, shows), and the totals of every parameter's gradient."""
-    try:
-        errors = _sketch_errors(ref["out"], sub["out"]) + _sketch_errors(ref["dx"], sub["dx"])
-        for projection, experts in ref["experts"].items():
-            theirs = sub["experts"][projection]
-            if len(theirs) != len(experts):
-                return math.inf
-            # an expert no token chose has a zero gradient: its error is relative to the largest
-            scale = max(abs(e[-1]) for e in experts)
-            errors += [relative_error(a, b, scale) for r, t in zip(experts, theirs) for a, b in zip(t, r)]
-        _, l1, l2 = ref["dparams"]
-        _, m1, m2 = sub["dparams"]
-        errors += [relative_error(m1, l1, l1), relative_error(m2, l2, 2 * l2)]
-    except (KeyError, TypeError, ValueError):
+def _moe_digest_error(ref: dict, sub) -> float:
+    """Output, input gradient, each expert's gradients (so a gradient in another expert's slot,
+    or of the wrong sign, shows), and the totals of every parameter's gradient.
+
+    Each expert's gradient is compared on the scale of its own norm, not the largest expert's:
+    a rarely routed expert's small gradient must be right too. An expert no token chose has a
+    zero gradient, and only zero matches it."""
+    if not isinstance(sub, dict) or set(sub) != set(ref):
         return math.inf
+    errors = _sketch_errors(ref["out"], sub["out"], ref["out"][-1])
+    errors += _sketch_errors(ref["dx"], sub["dx"], ref["dx"][-1])
+    experts = sub["experts"]
+    if not isinstance(experts, dict) or set(experts) != set(ref["experts"]):
+        return math.inf
+    for projection, ours in ref["experts"].items():
+        theirs = experts[projection]
+        if not _same_length(ours, theirs):
+            return math.inf
+        for r, t in zip(ours, theirs):
+            errors += _sketch_errors(r, t, r[-1])
+    if not _same_length(ref["dparams"], sub["dparams"]) or _number(sub["dparams"][0]) != ref["dparams"][0]:
+        return math.inf  # not the same number of gradient values
+    (_, l1, l2), (_, m1, m2) = ref["dparams"], sub["dparams"]
+    # the squared L2 norm is compared on twice its scale: the norm's own relative error
+    errors += [relative_error(m1, l1, l1), relative_error(m2, l2, 2 * l2)]
     return max(errors)
 
 
 def loss_error(ref: list[dict], sub: list[dict]) -> float:
-    """Worst relative error of the loss and gradient norm, step by step."""
-    if len(ref) != len(sub):
+    """Worst relative error of the loss and gradient norm, step by step: a step missing, extra,
+    or without a finite loss and gradient norm is infinitely wrong."""
+    if not _same_length(ref, sub) or not ref:
         return math.inf
     errors = [0.0]
     for r, s in zip(ref, sub):
         if not isinstance(s, dict):
             return math.inf
         for key in ("loss", "grad_norm"):
-            errors.append(relative_error(s.get(key), r[key], abs(r[key])))
+            errors.append(relative_error(s.get(key), r[key], r[key]))
     return max(errors)

@@ -72,14 +72,14 @@ def _range(profile: A1Profile, measurement: str) -> str:
 def grade_moe(ctx: Context) -> None:
     """Part 1: the MoE layer alone on the starter's weights (its outputs and every expert's
     gradients against the reference's, its time in turns with the starter's), and the whole
-    step of the reference layout against the starter's."""
+    step of the reference layout against the starter's: both must be right for any point."""
     job, part, profile = ctx.job, ctx.job.rubric.parts["moe"], ctx.job.profile
     ref, run = job.reference, ctx.runs["moe"]
     if not run.ok:
         reason = f"the MoE run failed: {run.error}"
         ctx.tests += part.tests((0, 0, 0), (reason,) * 3)
         return
-    error = max(moe_error(r, s) for r, s in zip(ref.moe_exact.digests, run.digests))
+    error = moe_error(ref.moe_exact.digests, run.digests)
     warmup = profile.moe["warmup"]
     starter_s, yours_s = _median_timed(ctx.runs["moe-starter"], warmup), _median_timed(run, warmup)
     layer = starter_s / yours_s
@@ -91,25 +91,35 @@ def grade_moe(ctx: Context) -> None:
     timing = (f"one MoE layer, median of {len(run.seconds) - warmup} timed workloads of {profile.moe.get('iters', 1)} "
               f"forward+backward passes in turns with the starter: starter {starter_s * 1e3:.2f} ms, yours "
               f"{yours_s * 1e3:.2f} ms, {layer:.2f}x ({_range(profile, 'moe_layer')})")
-    share = profile.speed_share("moe_layer", layer)
+    # The whole step must train like the starter's too: a layer exact in the check above but
+    # wrong (or failing) inside the model zeroes the part, its speed included.
     step = ctx.runs.get("reference")
-    if step is not None and step.ok and loss_error(ref.train.digests, step.digests) <= profile.train_rtol:
-        whole = _median_timed(ref.train, profile.warmup) / _median_timed(step, profile.warmup)
+    if step is None or not step.ok:
+        step_error = math.inf
+        checked += f"; whole step, reference layout: failed ({step.error if step else 'it did not run'})"
+        timing += "; whole step, reference layout: failed, not timed"
+    else:
+        step_error = loss_error(ref.train.digests, step.digests)
+        checked += f"; whole step, reference layout: {_checked(step, step_error, profile.train_rtol)}"
+    step_correct = step_error <= profile.train_rtol
+    share = profile.speed_share("moe_layer", layer)
+    if step_correct:
+        whole, line = _step_numbers(ctx, step, ref.train, "reference", "moe_step")
         ctx.numbers["moe_step_speedup"] = whole
         share = (share + profile.speed_share("moe_step", whole)) / 2
-        timing += f"; whole step, reference layout: {whole:.2f}x the starter ({_range(profile, 'moe_step')})"
-    else:
-        timing += "; whole step, reference layout: " + (
-            f"failed ({step.error})" if step is not None and not step.ok else "wrong losses, not timed")
+        timing += f"; {line}"
+    elif step is not None and step.ok:
+        timing += "; whole step, reference layout: wrong losses, not timed"
     fixed = layer > profile.speed["moe_layer"][0]
-    _award(ctx, part, error <= profile.rtol, fixed, share, checked, "", timing,
+    _award(ctx, part, error <= profile.rtol and step_correct, fixed, share, checked, "", timing,
            f"the MoE layer is not faster than the starter's ({layer:.2f}x; {profile.speed['moe_layer'][0]:g}x "
            "shows its slow path is gone)")
 
 
-def _step_numbers(ctx: Context, run: SessionResult, starter: SessionResult, layout_name: str) -> tuple[float, str]:
+def _step_numbers(ctx: Context, run: SessionResult, starter: SessionResult, layout_name: str,
+                  measurement: str | None = None) -> tuple[float, str]:
     """The whole step's speedup over `starter`, tokens/s (and MFU on GPU) for the leaderboard,
-    and a line for the feedback."""
+    and a line for the feedback; `measurement` names its speed range (`<layout_name>_step`)."""
     profile = ctx.job.profile
     tokens = profile.batch * profile.seq_len
     seconds = _median_timed(run, profile.warmup)
@@ -124,7 +134,7 @@ def _step_numbers(ctx: Context, run: SessionResult, starter: SessionResult, layo
         ctx.numbers[f"{layout_name}_mfu"] = mfu
         ctx.leaderboard.append({"name": f"MFU % ({layout_name} layout)", "value": round(100 * mfu, 2)})
         line += f", MFU {100 * mfu:.2f}% of dense bf16 peak"
-    return ratio, f"{line} ({_range(profile, f'{layout_name}_step')})"
+    return ratio, f"{line} ({_range(profile, measurement or f'{layout_name}_step')})"
 
 
 def _traffic(run: SessionResult, warmup: int) -> float:

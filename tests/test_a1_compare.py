@@ -1,0 +1,291 @@
+"""A1's comparisons and points on made-up evidence: `grader/a1/compare.py` (malformed answers are
+infinitely wrong; each expert's gradient is judged on its own scale), `speed_share`, and Part 1
+and 2's scoring from made-up runs, with speed ranges where a ratio taken upside down would show
+(cpu-tiny's step ranges give full points to 0.68x and to 1.47x alike)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from grader.a1 import scoring
+from grader.a1.compare import loss_error, moe_error, relative_error
+from grader.a1.rubric import load_rubric, speed_share
+from grader.runner import SessionResult
+
+RTOL = 1e-4
+
+
+def digest() -> dict:
+    """One forward+backward pass's digest (harness `MoeSession.step`): four experts, the third a
+    rarely routed one (its gradient a thousandth of the others'), the fourth chosen by no token."""
+    return {
+        "out": [1.5, -2.0, 4.0],
+        "dx": [0.25, 0.5, 2.0],
+        "experts": {"up": [[0.3, 2.0], [-0.7, 1.5], [0.001, 0.002], [0.0, 0.0]],
+                    "down": [[1.1, 3.0], [0.2, 2.5], [-0.0005, 0.001], [0.0, 0.0]]},
+        "dparams": [1000.0, 80.0, 40.0],
+    }
+
+
+def workloads(n: int = 2, iters: int = 2) -> list[list[dict]]:
+    return [[digest() for _ in range(iters)] for _ in range(n)]
+
+
+def changed(edit) -> list[list[dict]]:
+    """The made-up workloads with `edit(first digest)` applied."""
+    sub = workloads()
+    edit(sub[0][0])
+    return sub
+
+
+# -- relative_error and the MoE digests --------------------------------------------------------
+def test_identical_digests_match():
+    assert moe_error(workloads(), workloads()) == 0.0
+
+
+def test_rounding_stays_within_tolerance():
+    sub = changed(lambda d: d["experts"]["up"][2].__setitem__(0, 0.001 * (1 + 1e-6)))
+    assert 0 < moe_error(workloads(), sub) < RTOL
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, "1.5", None, True, [1.5]])
+@pytest.mark.parametrize("where", ["out", "dx", "up", "down", "dparams"])
+def test_a_value_that_is_not_a_finite_number_is_infinitely_wrong(bad, where):
+    def edit(d):
+        target = d["experts"][where][1] if where in ("up", "down") else d[where]
+        target[0] = bad
+
+    assert moe_error(workloads(), changed(edit)) == math.inf
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d["out"].pop(),                       # a short sketch
+    lambda d: d["dx"].append(0.0),                  # an extra projection
+    lambda d: d["experts"]["up"].pop(),             # an expert missing
+    lambda d: d["experts"]["down"].append([0.0, 0.0]),  # an extra expert
+    lambda d: d["experts"]["up"][1].pop(),          # an expert's sketch short
+    lambda d: d["experts"]["up"][1].append(0.0),    # ...or long
+    lambda d: d["experts"].pop("down"),             # a projection missing
+    lambda d: d["experts"].__setitem__("gate", []),  # an extra projection
+    lambda d: d.__setitem__("extra", 0.0),          # an extra entry
+    lambda d: d.pop("dparams"),                     # a missing one
+    lambda d: d["dparams"].append(1.0),             # totals of the wrong length
+    lambda d: d.__setitem__("experts", []),         # the wrong type
+    lambda d: d["experts"].__setitem__("up", {}),
+    lambda d: d.__setitem__("out", {"0": 1.5}),
+], ids=["short-sketch", "long-sketch", "expert-missing", "extra-expert", "short-expert", "long-expert",
+        "projection-missing", "extra-projection", "extra-entry", "missing-entry", "long-totals",
+        "experts-not-a-dict", "projection-not-a-list", "sketch-not-a-list"])
+def test_malformed_digests_are_infinitely_wrong(edit):
+    assert moe_error(workloads(), changed(edit)) == math.inf
+
+
+@pytest.mark.parametrize("sub", [[], workloads(1), workloads(3), [[]] + workloads()[1:], workloads(iters=1),
+                                 workloads(iters=3), [digest(), digest()], None, "digests"],
+                         ids=["empty", "short", "extra-workload", "empty-workload", "short-workload",
+                              "long-workload", "not-nested", "none", "string"])
+def test_missing_or_extra_workloads_are_infinitely_wrong(sub):
+    assert moe_error(workloads(), sub) == math.inf
+
+
+def test_a_digest_that_is_not_a_dict_is_infinitely_wrong():
+    sub = workloads()
+    sub[1][1] = [1.5, -2.0, 4.0]
+    assert moe_error(workloads(), sub) == math.inf
+
+
+def test_swapped_experts_are_wrong():
+    def swap(d):
+        up = d["experts"]["up"]
+        up[0], up[1] = up[1], up[0]
+
+    assert moe_error(workloads(), changed(swap)) > 0.1
+
+
+def test_a_rarely_routed_experts_gradient_is_judged_on_its_own_scale():
+    """Its sign flipped: a thousandth of the largest expert's norm, all of its own."""
+    sub = changed(lambda d: d["experts"]["up"][2].__setitem__(0, -0.001))
+    assert moe_error(workloads(), sub) == pytest.approx(1.0)
+    sub = changed(lambda d: d["experts"]["down"][2].__setitem__(1, 0.002))  # twice its norm
+    assert moe_error(workloads(), sub) == pytest.approx(1.0)
+
+
+def test_only_zero_matches_an_expert_no_token_chose():
+    assert moe_error(workloads(), changed(lambda d: d["experts"]["up"][3].__setitem__(1, 1e-9))) > 1
+
+
+def test_wrong_gradient_totals_show():
+    assert moe_error(workloads(), changed(lambda d: d["dparams"].__setitem__(2, 44.0))) == pytest.approx(0.05)
+
+
+def test_relative_error():
+    assert relative_error(1.1, 1.0, 2.0) == pytest.approx(0.05)
+    assert relative_error(0.0, 0.0, 0.0) == 0.0
+    assert relative_error(1e-20, 0.0, 0.0) > 1e9
+    assert relative_error(math.nan, 1.0, 1.0) == relative_error("1", 1.0, 1.0) == math.inf
+
+
+# -- the training steps' losses --------------------------------------------------------------------
+def steps(n: int = 3) -> list[dict]:
+    return [{"loss": 4.0 - 0.1 * i, "grad_norm": 1.0 + i, "bytes": {}} for i in range(n)]
+
+
+def test_the_same_steps_match_and_a_difference_is_relative():
+    assert loss_error(steps(), steps()) == 0.0
+    sub = steps()
+    sub[2]["grad_norm"] *= 1.01
+    assert loss_error(steps(), sub) == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda s: s[0].__setitem__("loss", math.nan),
+    lambda s: s[1].__setitem__("grad_norm", math.inf),
+    lambda s: s[2].__setitem__("loss", None),
+    lambda s: s[2].__setitem__("loss", "4.0"),
+    lambda s: s[0].pop("grad_norm"),
+    lambda s: s.pop(),
+    lambda s: s.append(dict(s[-1])),
+    lambda s: s.clear(),
+    lambda s: s.__setitem__(1, [3.9, 2.0]),
+], ids=["nan-loss", "inf-grad-norm", "none", "string", "missing-key", "short", "extra-step", "empty", "not-a-dict"])
+def test_malformed_steps_are_infinitely_wrong(edit):
+    sub = steps()
+    edit(sub)
+    assert loss_error(steps(), sub) == math.inf
+
+
+def test_steps_that_are_not_a_list_are_infinitely_wrong():
+    assert loss_error(steps(), None) == loss_error(steps(), {"0": steps()[0]}) == math.inf
+
+
+# -- speed_share -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value, share", [(0.5, 0.0), (1.2, 0.0), (math.sqrt(1.2 * 3.0), 0.5), (3.0, 1.0),
+                                          (30.0, 1.0), (math.nan, 0.0), (-2.0, 0.0)])
+def test_speed_share_below_at_and_above_its_range(value, share):
+    assert speed_share(value, 1.2, 3.0) == pytest.approx(share)
+
+
+def test_a_speed_range_must_rise_from_above_zero():
+    tiny = load_rubric().profile("cpu-tiny")
+    for bad in ([0.0, 2.0], [2.0, 2.0], [3.0, 1.2], [1.2]):
+        with pytest.raises(ValueError, match="moe_step"):
+            dataclasses.replace(tiny, speed={**tiny.speed, "moe_step": bad})
+
+
+# -- Part 1 and Part 2 scored from made-up runs ------------------------------------------------------
+def run(digests: list, seconds: float, traffic: int = 0) -> SessionResult:
+    return SessionResult(digests=copy.deepcopy(digests), seconds=[seconds] * len(digests),
+                         traffic=[traffic] * len(digests))
+
+
+@pytest.fixture
+def profile():
+    """cpu-tiny with the GPU profiles' speed ranges (h200x1): a ratio taken upside down scores
+    differently there."""
+    rubric = load_rubric()
+    return dataclasses.replace(rubric.profile("cpu-tiny"), speed=rubric.profile("h200x1").speed)
+
+
+def context(profile, runs: dict[str, SessionResult], starter_step_s: float = 2.0) -> scoring.Context:
+    """A grading context whose starter ran its MoE layer in 1 s a workload and its steps in
+    `starter_step_s`; `runs` are the submission's (moe, moe-starter, reference, ep)."""
+    n_moe = profile.moe["warmup"] + profile.moe["repeats"]
+    n_steps = profile.warmup + profile.repeats
+    moe = run(workloads(n_moe), 1.0)
+    reference = SimpleNamespace(moe=moe, moe_exact=moe, train=run(steps(n_steps), starter_step_s),
+                                ep=run(steps(n_steps), starter_step_s, traffic=100 * 2**20), pp_train=None)
+    job = SimpleNamespace(rubric=load_rubric(), profile=profile, reference=reference)
+    runs = {"moe-starter": run(workloads(n_moe), 1.0), **runs}
+    return scoring.Context(job, SimpleNamespace(name="made-up"), runs, logs=None)
+
+
+def part1(profile, layer_s: float, step: SessionResult | None, layer: list | None = None) -> tuple[list, list]:
+    n_moe = profile.moe["warmup"] + profile.moe["repeats"]
+    runs = {"moe": run(layer if layer is not None else workloads(n_moe), layer_s)}
+    if step is not None:
+        runs["reference"] = step
+    ctx = context(profile, runs)
+    scoring.grade_moe(ctx)
+    return [t["score"] for t in ctx.tests], [t["output"] for t in ctx.tests]
+
+
+def honest_step(profile, seconds: float) -> SessionResult:
+    return run(steps(profile.warmup + profile.repeats), seconds)
+
+
+def test_part1_speed_is_the_mean_of_the_layer_and_step_shares(profile):
+    """Layer 1/0.25 = 4x the starter, step 2/1 = 2x: each share on its own range, never inverted."""
+    scores, outputs = part1(profile, 0.25, honest_step(profile, 1.0))
+    layer, whole = speed_share(4.0, *profile.speed["moe_layer"]), speed_share(2.0, *profile.speed["moe_step"])
+    assert 0 < layer < 1 and 0 < whole < 1
+    assert scores == [4.0, pytest.approx(6 * (layer + whole) / 2, abs=1e-3)]
+    assert "2.00x the starter" in outputs[1] and "4.00x" in outputs[1]
+
+
+def test_a_step_slower_than_the_starter_earns_no_step_points(profile):
+    scores, _ = part1(profile, 0.25, honest_step(profile, 4.0))  # 0.5x: upside down it would be 2x
+    assert scores == [4.0, pytest.approx(6 * speed_share(4.0, *profile.speed["moe_layer"]) / 2, abs=1e-3)]
+
+
+def wrong_step(profile) -> SessionResult:
+    """The top-1-instead-of-top-k kind: it trains, fast, to other losses."""
+    wrong = steps(profile.warmup + profile.repeats)
+    wrong[-1]["loss"] *= 1.2
+    return run(wrong, 0.1)
+
+
+@pytest.mark.parametrize("step, says", [
+    (wrong_step, r"whole step, reference layout: loss and gradient norm .* worst relative error 0\.2"),
+    (lambda p: SessionResult(error="RuntimeError: boom"), r"whole step, reference layout: failed \(RuntimeError"),
+    (lambda p: None, r"whole step, reference layout: failed \(it did not run\)"),
+    (lambda p: run([{**s, "grad_norm": math.nan} for s in steps(p.warmup + p.repeats)], 1.0),
+     r"worst relative error inf"),
+], ids=["wrong-losses", "failed", "missing", "nan"])
+def test_a_wrong_or_failed_step_zeroes_part1(profile, step, says):
+    """The layer is exact and fast (8x: all its speed points); the step is not right."""
+    import re
+
+    scores, outputs = part1(profile, 1 / 8, step(profile))
+    assert scores == [0, 0]
+    assert outputs[0].startswith("wrong: ") and re.search(says, outputs[0]), outputs[0]
+    assert outputs[1].startswith("zeroed (wrong results)")
+
+
+def test_breaking_the_step_never_earns_more_than_an_honest_slow_one(profile):
+    honest, _ = part1(profile, 1 / 8, honest_step(profile, 2.0))  # a fast layer, the starter's step time
+    broken, _ = part1(profile, 1 / 8, wrong_step(profile))
+    assert sum(broken) == 0 < sum(honest) == pytest.approx(4 + 3)
+
+
+def test_a_wrong_layer_zeroes_part1_whatever_its_step(profile):
+    n_moe = profile.moe["warmup"] + profile.moe["repeats"]
+    layer = workloads(n_moe)
+    layer[-1][0]["experts"]["up"][2][0] *= -1  # the rare expert's gradient, sign flipped
+    scores, outputs = part1(profile, 1 / 8, honest_step(profile, 0.5), layer=layer)
+    assert scores == [0, 0] and outputs[0].startswith("wrong: ")
+
+
+def part2(profile, step_s: float, losses: list[dict], traffic_mb: float) -> tuple[list, list]:
+    ctx = context(profile, {"ep": run(losses, step_s, traffic=int(traffic_mb * 2**20))})
+    scoring.grade_ep(ctx)
+    return [t["score"] for t in ctx.tests], [t["output"] for t in ctx.tests]
+
+
+def test_part2_speed_is_the_starter_time_over_yours(profile):
+    n = profile.warmup + profile.repeats
+    scores, _ = part2(profile, 1.0, steps(n), traffic_mb=1.0)  # the starter's ep step took 2 s
+    assert scores == [3.0, 4.0, pytest.approx(3 * speed_share(2.0, *profile.speed["ep_step"]), abs=1e-3)]
+    scores, _ = part2(profile, 4.0, steps(n), traffic_mb=1.0)  # 0.5x
+    assert scores == [3.0, 4.0, 0.0]
+
+
+def test_wrong_ep_losses_zero_part2(profile):
+    wrong = steps(profile.warmup + profile.repeats)
+    wrong[0]["grad_norm"] = math.inf
+    scores, outputs = part2(profile, 0.5, wrong, traffic_mb=1.0)
+    assert scores == [0, 0, 0] and outputs[0].startswith("wrong: ")
