@@ -6,6 +6,11 @@ reads every `<name>/results.json` that `onenode-grade a1`/`a2` wrote under each 
 and writes `site/index.html` (one page: inline CSS, a few lines of inline JS to sort columns, no
 server, nothing fetched from anywhere), the plots beside it as PNG files, and `leaderboard.md`
 with the same tables. Plots need matplotlib; without it the page says so and keeps the tables.
+
+Each assignment gets a table and plots per grading profile: scores and speeds of different
+machines (cpu-tiny's 40 points beside h200x1's 10, a CPU's tokens/s beside an H200's) are never
+ranked together. A column that no submission of a profile has (MFU on CPU, a layout the profile
+does not grade) is left out of that profile's table.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +40,10 @@ class Entry:
     @property
     def assignment(self) -> str:
         return assignment_label(self.results)
+
+    @property
+    def profile(self) -> str:
+        return self.results["extra_data"].get("profile", "unknown")
 
 
 def read_cohorts(folders: list[Path]) -> list[Entry]:
@@ -59,9 +69,33 @@ def _present(value) -> bool:
     return value is not None and not (isinstance(value, float) and not math.isfinite(value))
 
 
+def by_profile(entries: list[Entry]) -> dict[str, list[Entry]]:
+    """The entries of each grading profile, profiles in name order; a submission graded twice on
+    one profile (two --cohort folders holding the same name) is refused: which one counts is the
+    instructor's call."""
+    groups: dict[str, dict[str, Entry]] = {}
+    for entry in entries:
+        group = groups.setdefault(entry.profile, {})
+        if entry.name in group:
+            raise ValueError(f"{entry.name} is graded twice on profile {entry.profile} ({group[entry.name].folder} "
+                             f"and {entry.folder}): pass only the --cohort folder whose result counts")
+        group[entry.name] = entry
+    return {profile: list(groups[profile].values()) for profile in sorted(groups)}
+
+
+def shown_columns(entries: list[Entry], columns: list[tuple]) -> list[tuple]:
+    """The columns that at least one of the entries has a value in."""
+    return [c for c in columns if any(_present(c[1](entry.results)) for entry in entries)]
+
+
+def _text(fmt, value, results: dict) -> str:
+    return fmt(value, results) if callable(fmt) else fmt.format(value)
+
+
 def table_rows(entries: list[Entry], columns: list[tuple]) -> list[list]:
     """[name, (raw value, text), ...] per entry, best score first. A column is (header, read,
-    format) or (header, read, format, read its standard error): then the text is "value ± error"."""
+    format) or (header, read, format, read its standard error): then the text is "value ± error".
+    A format is a str.format pattern, or a function (value, results.json) -> text."""
     rows = []
     for entry in sorted(entries, key=lambda e: -e.results["score"]):
         cells = [entry.name]
@@ -71,7 +105,7 @@ def table_rows(entries: list[Entry], columns: list[tuple]) -> list[list]:
                 cells.append((None, "-"))
                 continue
             error = spread[0](entry.results) if spread else None
-            cells.append((value, fmt.format(value) + (f" ± {error:.2g}" if _present(error) else "")))
+            cells.append((value, _text(fmt, value, entry.results) + (f" ± {error:.2g}" if _present(error) else "")))
         rows.append(cells)
     return rows
 
@@ -110,13 +144,23 @@ def pyplot():
 
 
 def save_plot(plt, fig, ax, path: Path, title: str, ylabel: str) -> bool:
-    ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.legend(fontsize="small")
+    return save_figure(plt, fig, path, title)
+
+
+def save_figure(plt, fig, path: Path, title: str) -> bool:
+    """Title the figure (its profile, from the entries' results), write it, let it go."""
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+def plot_profile(entries: list[Entry]) -> str:
+    """The grading profile the plotted entries share (the site draws one plot per profile)."""
+    return entries[0].profile if entries else "unknown"
 
 
 # -- the page ------------------------------------------------------------------------------------
@@ -141,33 +185,43 @@ _NOTE = ('Click a column header to sort. A2 runs marked "no" under verified fail
          'benchmark points.')
 
 
+def _slug(profile: str) -> str:
+    """A profile's name as a file name and an HTML id."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", profile)
+
+
+def _profile_note(group: list[Entry], profile: str) -> str:
+    maxima = sorted({g.results["extra_data"].get("max_score", 0) for g in group})
+    return (f"{len(group)} submission{'s' * (len(group) != 1)} graded on profile {profile}, scores out of "
+            + " or ".join(f"{m:g}" for m in maxima))
+
+
 def build_site(folders: list[Path], out: Path, assignments: list[Assignment]) -> Path:
-    """Write out/index.html, out/leaderboard.md and the plots, a section per assignment with
-    results; returns the page."""
+    """Write out/index.html, out/leaderboard.md and the plots: per assignment with results, a
+    section per grading profile, with its table and its plots; returns the page."""
     entries = read_cohorts(folders)
     out.mkdir(parents=True, exist_ok=True)
     plt = pyplot()
     sections, markdown = [], ["# OneNode leaderboard", ""]
     e = html.escape
     for assignment in assignments:
-        group = [entry for entry in entries if entry.assignment == assignment.label]
-        if not group:
-            continue
-        title = assignment.leaderboard_title
-        columns = assignment.leaderboard_columns(group)
-        rows = table_rows(group, columns)
-        profiles = sorted({g.results["extra_data"].get("profile", "?") for g in group})
-        note = f"{len(group)} submissions, profile {', '.join(profiles)}"
-        images = ""
-        if plt is None:
-            images = "<p class='note'>Plots need matplotlib (pip install matplotlib).</p>"
-        else:
-            for name, plot in assignment.leaderboard_plots:
-                if plot(group, out / name, plt):
-                    images += f'<img src="{name}" alt="{e(name[:-4].replace("_", " "))}">'
-        table = html_table(assignment.name, rows, columns)
-        sections.append(f"<h2>{e(title)}</h2><p class='note'>{e(note)}</p>{table}{images}")
-        markdown += [f"## {title}", "", note, "", markdown_table(rows, columns), ""]
+        graded = [entry for entry in entries if entry.assignment == assignment.label]
+        for profile, group in by_profile(graded).items():
+            title = f"{assignment.leaderboard_title}: profile {profile}"
+            columns = shown_columns(group, assignment.leaderboard_columns(group))
+            rows = table_rows(group, columns)
+            note = _profile_note(group, profile)
+            images = ""
+            if plt is None:
+                images = "<p class='note'>Plots need matplotlib (pip install matplotlib).</p>"
+            else:
+                for name, plot in assignment.leaderboard_plots:
+                    png = f"{_slug(profile)}_{name}"
+                    if plot(group, out / png, plt):
+                        images += f'<img src="{png}" alt="{e(name[:-4].replace("_", " "))}, profile {e(profile)}">'
+            table = html_table(f"{assignment.name}-{_slug(profile)}", rows, columns)
+            sections.append(f"<h2>{e(title)}</h2><p class='note'>{e(note)}</p>{table}{images}")
+            markdown += [f"## {title}", "", note, "", markdown_table(rows, columns), ""]
     page = out / "index.html"
     page.write_text(f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>OneNode leaderboard</title>

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..leaderboard import Entry, number, save_plot
+from ..leaderboard import Entry, number, plot_profile, save_plot
 
 
 def _stderr(results: dict, name: str) -> float | None:
@@ -71,7 +71,7 @@ def plot_benchmarks(entries: list[Entry], path: Path, plt) -> bool:
         values = {e["name"]: e["value"] for e in entry.results["leaderboard"]}
         ax.bar([t + i * width for t in range(len(tasks))], [values.get(t) or 0 for t in tasks], width, label=entry.name)
     ax.set_xticks([t + 0.4 - width / 2 for t in range(len(tasks))], tasks)
-    return save_plot(plt, fig, ax, path, "A2 benchmarks", "score (higher is better)")
+    return save_plot(plt, fig, ax, path, f"A2 benchmarks, profile {plot_profile(entries)}", "score (higher is better)")
 
 
 def _metrics(folder: Path) -> list[dict]:
@@ -101,4 +101,4 @@ def plot_losses(entries: list[Entry], path: Path, plt) -> bool:
         plt.close(fig)
         return False
     ax.set_xlabel("tokens seen")
-    return save_plot(plt, fig, ax, path, "A2 training loss", "training loss")
+    return save_plot(plt, fig, ax, path, f"A2 training loss, profile {plot_profile(entries)}", "training loss")
