@@ -7,9 +7,16 @@ after `<!-- gpu -->` or `<!-- slow -->` is only checked. Every other block of th
 in document order, in a scratch repository laid out like the students' one, and must print what
 a ```text block right after it shows; the A1 blocks must leave a submission the grader's own
 intake accepts. The instructor's commands run on a grading node from the kit root, so each of
-its blocks must be marked. A figure linked to its record,
-`[13.5x](../benchmarks/results/.../moe_layer.json "speedup_layer")`, must match the value at that
-key, and the A1 handout's rubric table must match `a1_infra/rubric.toml`.
+its blocks must be marked.
+
+Figures, in these three and in the kit README and `benchmarks/README.md`: a figure linked to its
+record, `[12.07x](../benchmarks/results/.../part1-moe.json "extra_data.numbers.moe_speedup")`, or
+to the rubric that sets it, `[8x](../a1_infra/rubric.toml "profiles.h200x1.speed.moe_layer.1")`,
+must match the value at that key; every other figure in a unit a GPU measurement comes in
+(a speedup `3.2x`, a percentage, tokens/s, GiB, ms, TFLOP/s, TB/s) must be such a link, a
+datasheet constant (`SPEC_FIGURES`), in code, or in a paragraph or table marked
+`<!-- not measured -->` (estimates, derived FLOP counts, requirements). The A1 handout's rubric
+table must match `a1_infra/rubric.toml`.
 """
 
 from __future__ import annotations
@@ -29,11 +36,17 @@ import pytest
 KIT = Path(__file__).resolve().parents[1]
 INSTRUCTOR = "docs/INSTRUCTOR.md"
 DOCS = ("a1_infra/README.md", "a2_pretrain/README.md", INSTRUCTOR)
+FIGURE_DOCS = ("README.md", *DOCS, "benchmarks/README.md")
 BLOCK = re.compile(r"^(?P<indent>[ \t]*)```bash\n(?P<body>.*?)^(?P=indent)```", re.M | re.S)
 OUTPUT = re.compile(r"\s*(?:[^\n`]{0,40}\n)?\s*```text\n(?P<output>.*?)```", re.S)
 MARKER = re.compile(r"<!--\s*(gpu|slow)\s*-->\s*$")
-RECORD_LINK = re.compile(r"\[(?P<text>[^\]]+)\]\((?P<path>[^ )]*benchmarks/results/[^ )]+\.json) \"(?P<key>[^\"]+)\"\)")
+RECORD_LINK = re.compile(r"\[(?P<text>[^\]]+)\]\((?P<path>[^ )]*(?:benchmarks/results/[^ )]+\.json|rubric\.toml)) "
+                         r"\"(?P<key>[^\"]+)\"\)")
 NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
+# A figure in a unit GPU measurements come in: 13.5x, 27.2%, 2,436 tokens/s, 45.6 GiB, 91.6 ms, ...
+GPU_FIGURE = re.compile(r"(?<![\w.,])\d[\d,]*(?:\.\d+)?(?:x(?!\w)|\s?%|\s(?:tokens/s|tok/s|GiB|ms|TFLOP/s|TB/s)(?!\w))")
+SPEC_FIGURES = {"989 TFLOP/s": "the dense bf16 peak of H100 SXM and H200, from NVIDIA's datasheet"}
+NOT_MEASURED = "<!-- not measured -->"
 KIT_FILE = re.compile(r"^(?:a1_infra|a2_pretrain|assignments|benchmarks|cluster|examples|solutions|starter_code)/"
                       r"\S+\.(?:sh|sbatch|py|yaml|toml|md|json)$")
 RUBRICS = {"onenode-grade a1": "a1_infra/rubric.toml", "onenode-grade demo": "a1_infra/rubric.toml",
@@ -204,18 +217,65 @@ def test_figure_matcher():
     assert not matches("13.6x", 13.4915) and not matches("0.31", -0.3135) and not matches("fast", 1.0)
 
 
-def test_linked_figures_match_their_records():
-    links = 0
-    for doc in DOCS:
-        path = KIT / doc
-        for m in RECORD_LINK.finditer(path.read_text(encoding="utf-8")):
-            record_path = (path.parent / m.group("path")).resolve()
-            assert record_path.is_file(), f"{doc}: {m.group('path')} does not exist"
-            value = _at(json.loads(record_path.read_text()), m.group("key"))
-            assert matches(m.group("text"), float(value)), (
-                f"{doc}: [{m.group('text')}] but {m.group('path')} has {m.group('key')} = {value}")
-            links += 1
-    assert links, "no figure is linked to its record in benchmarks/results/"
+def _load(path: Path):
+    from grader.rubric import tomllib
+
+    return tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("doc", FIGURE_DOCS)
+def test_linked_figures_match_their_records(doc):
+    path = KIT / doc
+    for m in RECORD_LINK.finditer(path.read_text(encoding="utf-8")):
+        record_path = (path.parent / m.group("path")).resolve()
+        assert record_path.is_file(), f"{doc}: {m.group('path')} does not exist"
+        try:
+            value = _at(_load(record_path), m.group("key"))
+        except (KeyError, IndexError, ValueError) as e:
+            raise AssertionError(f"{doc}: {m.group('path')} has no key {m.group('key')!r} ({e!r})") from None
+        assert matches(m.group("text"), float(value)), (
+            f"{doc}: [{m.group('text')}] but {m.group('path')} has {m.group('key')} = {value}")
+
+
+def test_the_handouts_link_figures_to_records():
+    linked = [m for doc in DOCS for m in RECORD_LINK.finditer((KIT / doc).read_text(encoding="utf-8"))]
+    assert [m for m in linked if "benchmarks/results/" in m.group("path")], "no figure links a record"
+
+
+def unlinked_figures(text: str) -> list[tuple[int, str]]:
+    """(line, figure) of every GPU-like figure of a Markdown text that is not a link to its
+    record or rubric, not a datasheet constant, not in code and not in a block marked
+    NOT_MEASURED (up to the next blank line)."""
+    def blank(m: re.Match) -> str:  # keep the line numbers
+        return re.sub(r"[^\n]", " ", m.group())
+
+    text = BLOCK.sub(blank, text)
+    text = re.sub(r"^[ \t]*```.*?^[ \t]*```", blank, text, flags=re.M | re.S)
+    text = re.sub(re.escape(NOT_MEASURED) + r".*?(?:\n[ \t]*\n|\Z)", blank, text, flags=re.S)
+    text = RECORD_LINK.sub(blank, text)
+    text = re.sub(r"`[^`\n]*`", blank, text)
+    text = re.sub(r"<[a-z]+://[^>\s]*>|\]\([^)\s]*\)", blank, text)  # URLs and link targets
+    for spec in SPEC_FIGURES:
+        text = text.replace(spec, " " * len(spec))
+    return [(text.count("\n", 0, m.start()) + 1, m.group()) for m in GPU_FIGURE.finditer(text)]
+
+
+def test_figure_finder():
+    text = ("Measured [13.5x](../benchmarks/results/r/r.json \"k\") and 14.0x at 2 x 4096; 2,436 tokens/s, 0.57%, 45.6 GiB.\n"
+            "The `--steps 5` run, 989 TFLOP/s peak, layer 6.79 ms, 0.25 (chance), 1e-4, the x-axis.\n\n"
+            f"{NOT_MEASURED}\nAbout 36 GiB of state, 20% at most.\n\nThen 31.2% again.\n"
+            "```text\n50 GiB\n```\n")
+    assert unlinked_figures(text) == [(1, "14.0x"), (1, "2,436 tokens/s"), (1, "0.57%"), (1, "45.6 GiB"),
+                                      (2, "6.79 ms"), (7, "31.2%")]
+
+
+@pytest.mark.parametrize("doc", FIGURE_DOCS)
+def test_every_gpu_figure_links_its_record(doc):
+    found = unlinked_figures((KIT / doc).read_text(encoding="utf-8"))
+    assert not found, (f"{doc}: figures without their record: "
+                       + ", ".join(f"line {line}: {figure!r}" for line, figure in found)
+                       + f". Link each as [figure](path/to/record.json \"key\") (or to the rubric that sets it), "
+                       f"or mark an estimate's paragraph {NOT_MEASURED}")
 
 
 def _table_rows(doc: str) -> dict[str, list[str]]:
