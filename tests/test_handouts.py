@@ -37,10 +37,15 @@ KIT = Path(__file__).resolve().parents[1]
 INSTRUCTOR = "docs/INSTRUCTOR.md"
 DOCS = ("a1_infra/README.md", "a2_pretrain/README.md", INSTRUCTOR)
 FIGURE_DOCS = ("README.md", *DOCS, "benchmarks/README.md")
+# Commands are checked (not run) in these too: the records' READMEs say how each record was made.
+RECORD_READMES = tuple(str(p.relative_to(KIT)) for p in sorted((KIT / "benchmarks/results").glob("*/README.md")))
+CHECKED_DOCS = (*FIGURE_DOCS, *RECORD_READMES)
+# Kit scripts whose first argument is a subcommand (or probe) of theirs.
+SCRIPTS_WITH_SUBCOMMANDS = ("solutions/a1/make_patches.py", "benchmarks/step_probes.py")
 BLOCK = re.compile(r"^(?P<indent>[ \t]*)```bash\n(?P<body>.*?)^(?P=indent)```", re.M | re.S)
 OUTPUT = re.compile(r"\s*(?:[^\n`]{0,40}\n)?\s*```text\n(?P<output>.*?)```", re.S)
 MARKER = re.compile(r"<!--\s*(gpu|slow)\s*-->\s*$")
-RECORD_LINK = re.compile(r"\[(?P<text>[^\]]+)\]\((?P<path>[^ )]*(?:benchmarks/results/[^ )]+\.json|rubric\.toml)) "
+RECORD_LINK = re.compile(r"\[(?P<text>[^\]]+)\]\((?P<path>[^ )]*(?:results/[^ )]+\.json|rubric\.toml)) "
                          r"\"(?P<key>[^\"]+)\"\)")
 NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
 # A figure in a unit GPU measurements come in: 13.5x, 27.2%, 2,436 tokens/s, 45.6 GiB, 91.6 ms, ...
@@ -73,8 +78,9 @@ def blocks(doc: str) -> list[tuple[str, str | None, int, str | None]]:
 
 
 def all_blocks() -> list[tuple[str, str, int]]:
-    """(document, script, line) of every block of every document."""
-    return [(doc, script, line) for doc in DOCS if (KIT / doc).is_file() for script, _, line, _ in blocks(doc)]
+    """(document, script, line) of every block of every document whose commands are checked."""
+    return [(doc, script, line) for doc in CHECKED_DOCS if (KIT / doc).is_file()
+            for script, _, line, _ in blocks(doc)]
 
 
 def simple_commands(script: str) -> list[list[str]]:
@@ -146,6 +152,40 @@ def check_invocation(parsers, program: str, args: list[str]) -> str | None:
     return None
 
 
+def script_subcommands(path: str) -> set[str]:
+    """The subcommands (`add_parser` names) and choices of the positional arguments that a kit
+    script's argparse parser declares, read from its source without running it."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse((KIT / path).read_text(encoding="utf-8"))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args):
+            continue
+        first = node.args[0]
+        if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+            continue
+        if node.func.attr == "add_parser":
+            names.add(first.value)
+        elif node.func.attr == "add_argument" and not first.value.startswith("-"):
+            for keyword in node.keywords:
+                if keyword.arg == "choices" and isinstance(keyword.value, (ast.List, ast.Tuple)):
+                    names |= {e.value for e in keyword.value.elts if isinstance(e, ast.Constant)}
+    return names
+
+
+def wrong_subcommands(script: str) -> list[str]:
+    """`script word` for every run of a kit script of SCRIPTS_WITH_SUBCOMMANDS whose first argument
+    is not one of its subcommands."""
+    wrong = []
+    for words in simple_commands(script):
+        for i, word in enumerate(words[:-1]):
+            path = next((p for p in SCRIPTS_WITH_SUBCOMMANDS if word == p or word.endswith("/" + p)), None)
+            known = script_subcommands(path) if path else set()
+            if path and words[i + 1] not in known:
+                wrong.append(f"`{path} {words[i + 1]}`: no such subcommand (has {', '.join(sorted(known))})")
+    return wrong
+
+
 def missing_kit_files(script: str) -> list[str]:
     """Kit scripts and configs the block names that the kit does not have (files the block
     itself creates with `cp` excepted)."""
@@ -176,6 +216,7 @@ def test_block_parses_and_names_real_commands(parsers, doc, script, line):
     calls = [call for words in simple_commands(script) if (call := invocation(words))]
     problems = [problem for program, args in calls if (problem := check_invocation(parsers, program, list(args)))]
     problems += [f"no {path} in the kit" for path in missing_kit_files(script)]
+    problems += wrong_subcommands(script)
     assert not problems, f"{doc}:{line}: " + "; ".join(problems)
 
 
@@ -190,6 +231,10 @@ def test_invocation_checker_catches_mistakes(parsers):
     assert "no such subcommand" in check_invocation(parsers, "onenode", ["data", "explode"])
     assert "no such profile" in check_invocation(parsers, "onenode-grade", ["a1", "--profile", "tpu", "--out", "x"])
     assert check_invocation(parsers, "onenode-grade", ["a2", "--profile", "h100x8", "--out", "x"]) is None
+    assert wrong_subcommands("python3 solutions/a1/make_patches.py copy /tmp/x\n"
+                             "python3 ../../../benchmarks/step_probes.py tf32 -- --steps 2") == []
+    assert [w[:40] for w in wrong_subcommands("python3 solutions/a1/make_patches.py checkout /tmp/x")] == [
+        "`solutions/a1/make_patches.py checkout`:"]
     assert missing_kit_files("cluster/nope.sh a b\ncp a2_pretrain/recipes/tiny.yaml a2_pretrain/recipes/x.yaml\n"
                              "onenode train a2_pretrain/recipes/x.yaml") == ["cluster/nope.sh"]
 
@@ -261,7 +306,8 @@ def unlinked_figures(text: str) -> list[tuple[int, str]]:
 
 
 def test_figure_finder():
-    text = ("Measured [13.5x](../benchmarks/results/r/r.json \"k\") and 14.0x at 2 x 4096; 2,436 tokens/s, 0.57%, 45.6 GiB.\n"
+    text = ("Measured [13.5x](../benchmarks/results/r/r.json \"k\") and 14.0x at 2 x 4096; "
+            "2,436 tokens/s, 0.57%, 45.6 GiB.\n"
             "The `--steps 5` run, 989 TFLOP/s peak, layer 6.79 ms, 0.25 (chance), 1e-4, the x-axis.\n\n"
             f"{NOT_MEASURED}\nAbout 36 GiB of state, 20% at most.\n\nThen 31.2% again.\n"
             "```text\n50 GiB\n```\n")
