@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-import yaml
+from redteam.a2_forgeries import BUDGET, LONG, SMALL, STEPS, TINY, TOKENS_PER_STEP, disguise
 from test_eval import load_make_reference
 
 from grader.a2 import A2
@@ -29,16 +29,6 @@ from grader.a2.scoring import verify
 from grader.cohort import grade_cohort
 from grader.errors import SubmissionError
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "a2_pretrain" / "recipes" / "tiny.yaml"
-STEPS, TOKENS_PER_STEP = 20, 4 * 32
-BUDGET = STEPS * TOKENS_PER_STEP
-# 20 steps of 4 x 32 tokens in 2 micro-batches, a checkpoint every 2 steps (10% of the run: the
-# cpu-tiny profile replays one span): seconds on the grader's A2 stack.
-SMALL = {"train.seq_len": 32, "train.global_batch_size": 4, "train.micro_batch_size": 2,
-         "train.token_budget": BUDGET, "checkpoint.every_steps": 2, "checkpoint.keep_last": 0,
-         "eval.every_steps": 0, "eval.batches": 1, "log.every_steps": 1, "log.tensorboard": False,
-         "log.progress_bar": False}
 PASSAGE = ("Now is the winter of our discontent made glorious summer by this sun of York and all the clouds "
            "that lour'd upon our house in the deep bosom of the ocean buried")
 make_reference = load_make_reference()
@@ -98,7 +88,9 @@ def test_honest_run_is_verified_by_replay_and_its_cost_measured(job, submission,
     checks, cost = verified(job, submission)
     assert all(c.ok for c in checks.values()), [c.detail for c in checks.values() if not c.ok]
     assert "bit for bit" in checks["replay"].detail
-    assert 0 < cost["replay_fraction"] <= job.profile.replay_fraction
+    assert "the first, the last and 1 drawn at random were replayed" in checks["replay"].detail
+    first_and_last = 2 * SMALL["checkpoint.every_steps"] / STEPS
+    assert 0 < cost["replay_fraction"] <= job.profile.replay_fraction + first_and_last
     with capsys.disabled():
         print(f"\nreplay cost: {cost['replay_steps']} of {STEPS} steps ({cost['replay_fraction']:.0%}) replayed in "
               f"{cost['replay_seconds']:.2f} s; the whole sandboxed verification {cost['verify_seconds']:.1f} s; "
@@ -155,41 +147,9 @@ def test_incomplete_submission_is_one_line(submission):
         load_a2_submission(submission)
 
 
-# -- forgeries -----------------------------------------------------------------------------------
-def disguise(run: Path, dest: Path, factor: int) -> Path:
-    """A run trained `factor` times past its claim, with every file edited to claim 1/factor of
-    it: the recipe's budget, the manifests, the log, the checkpoints renamed and their meta.json
-    rewritten (steps, tokens, links, recipe hash). Only the weights and the data position tell."""
-    from onenode.train.recipe import load_recipe
-
-    sub = make_reference.assemble(run, dest)
-    recipe = yaml.safe_load((sub / "recipe.yaml").read_text())
-    recipe["train"]["token_budget"] //= factor
-    (sub / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-    claimed = load_recipe(sub / "recipe.yaml").training_sha256
-    for meta_path in _metas(sub):
-        meta = json.loads(meta_path.read_text())
-        meta.update(step=meta["step"] // factor, tokens_seen=meta["tokens_seen"] // factor, training_sha256=claimed)
-        if meta["previous"]:
-            meta["previous"]["step"] //= factor
-        meta_path.write_text(json.dumps(meta))
-        meta_path.parent.rename(meta_path.parent.with_name(f"step_{meta['step']:08d}"))
-
-    def claim(m):
-        m.update({k: m[k] // factor for k in ("steps", "total_steps", "tokens_seen", "token_budget",
-                                               "data_tokens_served")}, recipe=recipe)
-    for path in (sub / "run_manifest.json", sub / "final" / "run_manifest.json"):
-        _edit_json(path, claim)
-    records = [json.loads(line) for line in (sub / "metrics.jsonl").read_text().splitlines()]
-    (sub / "metrics.jsonl").write_text("".join(
-        json.dumps({**r, "step": r["step"] // factor, "tokens": r["tokens"] // factor}) + "\n"
-        for r in records if r["step"] % factor == 0))
-    return sub
-
-
+# -- forgeries (more in tests/test_a2_verification.py) -------------------------------------------
 def test_run_trained_four_times_its_budget_with_every_file_edited_fails(job, tmp_path):
-    long_run = trained_run(TINY, {**SMALL, "train.token_budget": 4 * BUDGET, "checkpoint.every_steps": 8})
-    sub = disguise(long_run, tmp_path / "disguised", factor=4)
+    sub = disguise(trained_run(TINY, LONG), tmp_path / "disguised", factor=4)
     assert not _failed(audit_run(load_a2_submission(sub), token_budget=BUDGET))  # the files tell one story
     checks, _ = verified(job, sub)
     assert not checks["replay"].ok and "were not trained by that span" in checks["replay"].detail
@@ -282,17 +242,32 @@ def test_evaluation_text_in_the_trained_shards_is_caught_on_every_profile(tmp_pa
 
 
 def test_spans_are_drawn_by_their_steps_within_the_replay_budget():
-    """A long span among many short ones is drawn as often as its steps say, never past the budget."""
+    """The first and the last span always; then a long span among many short ones is drawn as
+    often as its steps say, never past the budget."""
     from grader.a2.intake import Link
     from grader.a2.replay import choose_spans
 
-    steps = [0, *range(1, 91), 100]  # ninety 1-step spans, then one of 10 steps (10% of the run)
+    steps = [0, *range(1, 46), *range(55, 101)]  # 1-step spans, one of 10 steps (10% of the run) in the middle
     chain = [Link(Path(f"step_{s:08d}"), {"step": s}) for s in steps]
+    first, last, long = (0, 1), (len(steps) - 2, len(steps) - 1), (45, 46)
     draws = [choose_spans(chain, 0.1, f"seed-{i}") for i in range(400)]
-    assert all(sum(steps[j] - steps[i] for i, j in spans) <= 10 for spans in draws)
+    assert all(first in spans and last in spans for spans in draws)
+    assert all(sum(steps[j] - steps[i] for i, j in spans if (i, j) not in (first, last)) <= 10 for spans in draws)
     assert draws[0] == choose_spans(chain, 0.1, "seed-0") != draws[1]
-    long_drawn = sum((90, 91) in spans for spans in draws) / len(draws)
+    long_drawn = sum(long in spans for spans in draws) / len(draws)
     assert 0.05 < long_drawn < 0.2, long_drawn  # ~its 10% of the steps (uniform order would give ~1%)
+
+
+def test_detection_probability_is_the_chance_a_forged_middle_span_is_drawn():
+    from grader.a2.replay import detection_line, detection_probability
+
+    assert detection_probability(12, 1, 1) == pytest.approx(0.1)  # 1 of the 10 middle spans drawn
+    assert detection_probability(12, 2, 1) == pytest.approx(0.2)
+    assert detection_probability(12, 2, 2) == pytest.approx(1 - 28 / 45)  # 1 - C(8,2)/C(10,2)
+    assert detection_probability(12, 1, 11) == 1.0 and detection_probability(12, 3, 0) == 0.0
+    assert detection_line(12, 1) == ("of its 12 spans the first, the last and 1 drawn at random were replayed: a "
+                                     "forgery inside the movement bound and the log is caught 10% if it forged one "
+                                     "span, 20% if it forged 10% of them, 30% if it forged 25% of them")
 
 
 # -- scores above the noise ----------------------------------------------------------------------
@@ -347,7 +322,9 @@ def test_cohort_is_graded_against_the_baseline(tmp_path):
     assert results["reference"]["score"] > results["untrained"]["score"]
     audit = {c["name"]: c for c in results["reference"]["extra_data"]["audit"]}
     assert audit["contamination"]["ok"] and audit["replay"]["ok"], audit
-    assert 0 < results["reference"]["extra_data"]["numbers"]["replay_fraction"] <= profile.replay_fraction
+    first_and_last = 2 * 4 / 48  # the reference checkpoints every 4 of its 48 steps
+    replayed = results["reference"]["extra_data"]["numbers"]["replay_fraction"]
+    assert 0 < replayed <= profile.replay_fraction + first_and_last
     for name in results:
         assert (out / name / "feedback.md").is_file() and (out / name / "env.json").is_file()
     assert (out / "reference" / "logs" / "metrics.jsonl").is_file()

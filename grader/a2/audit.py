@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .intake import A2Submission, Link, read_json, read_metrics
+from .intake import A2Submission, Link, read_json
 
 
 @dataclass
@@ -51,8 +51,7 @@ def audit_run(sub: A2Submission, token_budget: int) -> list[Check]:
     from onenode.model.config import NemotronHConfig
     from onenode.train.recipe import RecipeError, load_recipe
 
-    manifest = read_json(sub.manifest)
-    records = read_metrics(sub.metrics)
+    manifest, records = sub.manifest, sub.metrics
     checks: list[Check] = []
 
     def check(name: str, ok: bool, detail: str) -> None:
@@ -90,6 +89,7 @@ def audit_run(sub: A2Submission, token_budget: int) -> list[Check]:
           and all(r["tokens"] == r["step"] * recipe.tokens_per_step for r in logged),
           f"metrics.jsonl ends at step {last.get('step')} with {last.get('tokens')} tokens; the manifest says "
           f"step {steps} with {seen}")
+    check("schedule", *logged_schedule(logged, recipe))
     try:
         config = NemotronHConfig.load(sub.checkpoint)
         stored = _safetensors_numel(sub.checkpoint)
@@ -110,6 +110,21 @@ def audit_run(sub: A2Submission, token_budget: int) -> list[Check]:
         check("final manifest", read_json(final_manifest) == manifest,
               "final/run_manifest.json and run_manifest.json agree")
     return checks
+
+
+def logged_schedule(records: list[dict], recipe) -> tuple[bool, str]:
+    """Whether every logged learning rate is the one the recipe's schedule gives at that step
+    (the replay's movement bound sums the schedule's, so a log that claims another lr is a lie)."""
+    from onenode.train.schedule import lr_factor
+
+    with_lr = [r for r in records if isinstance(r.get("lr"), (int, float))]
+    for r in with_lr:
+        expected = recipe.optimizer.lr * lr_factor(recipe.schedule, r["step"] - 1, recipe.total_steps)
+        if not math.isclose(r["lr"], expected, rel_tol=1e-6, abs_tol=1e-12):
+            return False, (f"metrics.jsonl logs lr {r['lr']:.6g} at step {r['step']}; the recipe's schedule gives "
+                           f"{expected:.6g} there")
+    return bool(with_lr), f"the {len(with_lr)} logged learning rates are the recipe's schedule's" if with_lr \
+        else "metrics.jsonl logs no learning rate: submit the log the trainer wrote"
 
 
 def chain_problem(chain: list[Link], training_sha256: str) -> str | None:
@@ -160,7 +175,7 @@ def trained_shards(sub: A2Submission) -> tuple[dict[str, Path], Check]:
     if sub.data is None:
         return {}, Check("data", False, f"the run trained on the shards of {', '.join(sorted(named))}: submit the data "
                                         "folder it trained on as data/ (manifest.json and each <source>/train.bin)")
-    manifest = read_json(sub.data / "manifest.json")
+    manifest = sub.data_manifest or {}
     tokenizer = (manifest.get("tokenizer") or {}).get("sha256")
     if tokenizer != settings.get("tokenizer"):
         return {}, Check("data", False, "data/manifest.json's tokenizer is not the one the run trained with")

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .audit import Check
-from .intake import A2Submission, read_json
+from .intake import A2Submission
 
 NGRAM_WORDS = 13  # the data pipeline's `decontaminate` n-gram, in words
 CHUNK_TOKENS = 1 << 22  # tokens hashed at a time (a few hundred MB of temporaries)
@@ -113,12 +113,12 @@ def flagged_documents(shards: dict[str, Path], dtype: str, wanted: np.ndarray, n
     return {name: len(docs) for name, docs in documents.items()}
 
 
-def data_tokenizer(data: Path):
+def data_tokenizer(data: Path, manifest: dict):
     """The tokenizer the shards were built with: data/tokenizer.json, or the one the manifest names."""
     from onenode.data.tokenizer import load_tokenizer
 
     own = data / "tokenizer.json"
-    return load_tokenizer(str(own) if own.is_file() else read_json(data / "manifest.json")["tokenizer"]["name"])
+    return load_tokenizer(str(own) if own.is_file() else manifest["tokenizer"]["name"])
 
 
 def contamination(sub: A2Submission, shards: dict[str, Path], eval_texts: list[str], workers: int = 1) -> Check:
@@ -128,8 +128,8 @@ def contamination(sub: A2Submission, shards: dict[str, Path], eval_texts: list[s
 
     if not shards:
         return Check("contamination", True, "no text trained on (synthetic tokens)")
-    manifest = read_json(sub.data / "manifest.json")
-    tokenizer = data_tokenizer(sub.data)
+    manifest = sub.data_manifest
+    tokenizer = data_tokenizer(sub.data, manifest)
     if tokenizer.content_hash() != manifest["tokenizer"]["sha256"]:
         return Check("contamination", False, "data/ holds another tokenizer than the one its shards were built with")
     encoded = tokenizer.encode_batch(eval_texts)

@@ -1,5 +1,7 @@
 """An A2 submission: a run folder of `onenode train`, checked for what grading needs. Nothing of
-it runs; its JSON files are read here, the checkpoints' meta.json (the chain) among them."""
+it runs. Its JSON files are parsed here, once: the run manifest, the training log, the data
+manifest and the checkpoints' meta.json (the chain). Every later step reads them from
+`A2Submission`."""
 
 from __future__ import annotations
 
@@ -35,11 +37,14 @@ class A2Submission:
     root: Path
     checkpoint: Path
     recipe: Path
-    manifest: Path
-    metrics: Path
+    manifest_path: Path
+    metrics_path: Path
     notebook: Path | None
     data: Path | None
     chain: list[Link]  # the complete checkpoints (with meta.json), oldest first
+    manifest: dict  # run_manifest.json
+    metrics: list[dict]  # metrics.jsonl, one record a line
+    data_manifest: dict | None  # data/manifest.json (None: no data folder)
 
 
 def load_submission(path: str | Path) -> A2Submission:
@@ -59,10 +64,11 @@ def load_submission(path: str | Path) -> A2Submission:
             raise SubmissionError(f"{name} is missing: submit the whole run folder that `onenode train` wrote")
         found[name] = root / name
     notebook = root / "report.ipynb"
-    data = root / "data"
+    data = root / "data" if (root / "data" / "manifest.json").is_file() else None
     return A2Submission(root.name, root, checkpoint, found["recipe.yaml"], found["run_manifest.json"],
-                        found["metrics.jsonl"], notebook if notebook.is_file() else None,
-                        data if (data / "manifest.json").is_file() else None, read_chain(root / "checkpoints"))
+                        found["metrics.jsonl"], notebook if notebook.is_file() else None, data,
+                        read_chain(root / "checkpoints"), read_json(found["run_manifest.json"]),
+                        read_metrics(found["metrics.jsonl"]), read_json(data / "manifest.json") if data else None)
 
 
 def read_chain(folder: Path) -> list[Link]:

@@ -1,5 +1,5 @@
-"""Verification by replay: the weights of an A2 run are tied to its recipe, its data and its
-token count by training parts of it again.
+"""Verification of an A2 run: its weights tied to its recipe, its data and its token count,
+every span of the checkpoint chain examined and some trained again.
 
 The trainer keeps its seeded initialisation (step 0) and a chain of checkpoints, each naming the
 one before it (`audit.chain_problem` checks the links). Here the grader's harness
@@ -8,21 +8,28 @@ untrusted input) recomputes, from the files alone:
 - the recipe's seeded initialisation, which the step-0 checkpoint must be;
 - every checkpoint's weights hash, which its meta.json must record, and final/'s, which must be
   the last checkpoint's;
-- the data order: a fresh loader on the submitted shards stepped through the run, whose position
-  and digest every checkpoint must hold;
-- a few spans drawn at random (the job's seed and the submission's name), trained again from the
-  earlier checkpoint, which must give the later one back: bit for bit on the run's layout and
-  hardware, or within the profile's `replay_tolerance` (replayed - recorded, relative to how far
-  the span moved the weights), which covers kernels that are not deterministic.
-The spans replayed add up to at most the profile's `replay_fraction` of the run's steps, so every
-span must be that short: a run checkpointed more sparsely is not verified. A forged span (weights
-from elsewhere, steps that were not taken, other data) is caught when it is drawn: with the
-fraction replayed for one, more surely the more there are. The seconds it took are recorded.
+- the data: a fresh loader on the submitted shards stepped through the run. Its batches are the
+  ones the replay trains on and the loss checks use; the loader state a checkpoint stores is
+  compared with its position, never used;
+- every span (cheap): how far it moved each weight against the most any training at the
+  schedule's learning rates can move it (above that bound, no training made the later
+  checkpoint from the earlier), and each checkpoint's loss on the grader's batch of the next
+  step, which must be the loss the log records for that step;
+- the first span, the last span and random ones (the job's seed and the submission's name),
+  trained again from the earlier checkpoint, which must give the later one back: bit for bit on
+  the run's layout and hardware, or within the profile's `replay_tolerance` (replayed -
+  recorded, relative to how far the span moved the weights).
+The random spans add up to at most the profile's `replay_fraction` of the run's steps, so every
+span must be that short: a run checkpointed more sparsely is not verified. A forgery inside the
+movement bound and the log (weights nudged, or other batches logged as the grader's) is caught
+when its span is replayed: `detection_probability` says how surely, and the feedback states it.
+The seconds it took are recorded.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import sys
@@ -31,24 +38,47 @@ from pathlib import Path
 
 from ..sandbox import Limits, SandboxError, make_scratch, run_sandboxed
 from .audit import Check, chain_problem
-from .intake import A2Submission, Link, read_json
+from .intake import A2Submission, Link
 from .rubric import A2Profile
 
 HARNESS = Path(__file__).with_name("replay_harness.py")
 
 
 def choose_spans(chain: list[Link], fraction: float, seed: str) -> list[tuple[int, int]]:
-    """Spans (indices of consecutive checkpoints) drawn at random, each as likely as the steps it
-    holds (a long span hidden among many short ones is drawn as often as its steps say), while
-    the steps replayed stay within `fraction` of the run's."""
+    """The first and the last span (indices of consecutive checkpoints), then spans drawn at
+    random, each as likely as the steps it holds (a long span hidden among many short ones is
+    drawn as often as its steps say), while the random ones stay within `fraction` of the run's
+    steps."""
     budget, rng = fraction * chain[-1].step, random.Random(seed)
     steps = {(i, i + 1): chain[i + 1].step - chain[i].step for i in range(len(chain) - 1)}
-    chosen, used = [], 0
+    chosen, used = sorted({(0, 1), (len(chain) - 2, len(chain) - 1)}), 0
     while fitting := [span for span in steps if span not in chosen and used + steps[span] <= budget]:
         span = rng.choices(fitting, weights=[steps[s] for s in fitting])[0]
         chosen.append(span)
         used += steps[span]
     return sorted(chosen)
+
+
+def detection_probability(spans: int, drawn: int, forged: int) -> float:
+    """How surely a run with `forged` of its `spans` spans forged inside the per-span checks is
+    caught when the first and last spans and `drawn` random others (uniformly, equal spans) are
+    replayed: 1 - C(middle - forged, drawn) / C(middle, drawn), with the forged spans in the
+    middle (the forger's best case; a forged first or last span is always replayed)."""
+    middle = spans - min(spans, 2)
+    if forged <= 0:
+        return 0.0
+    if forged > middle:
+        return 1.0
+    return 1.0 - math.comb(middle - forged, drawn) / math.comb(middle, drawn)
+
+
+def detection_line(spans: int, drawn: int) -> str:
+    """The feedback's sentence on how surely a forgery that passes the per-span checks is caught."""
+    shares = [(f"{share:.0%} of them", max(1, math.ceil(share * spans))) for share in (0.1, 0.25)]
+    odds = ", ".join(f"{detection_probability(spans, drawn, forged):.0%} if it forged {what}"
+                     for what, forged in [("one span", 1), *shares])
+    return (f"of its {spans} spans the first, the last and {drawn} drawn at random were replayed: a forgery inside "
+            f"the movement bound and the log is caught {odds}")
 
 
 def replay_plan(sub: A2Submission, profile: A2Profile, seed: str) -> tuple[list[tuple[int, int]], str | None]:
@@ -111,9 +141,10 @@ def run_harness(sub: A2Submission, stack: Path, spans: list[tuple[int, int]], pr
 
 def replay_checks(sub: A2Submission, profile: A2Profile, stack: Path, seed: str, logs: Path,
                   threads: int | None = None) -> tuple[list[Check], dict]:
-    """The replay's checks (initialisation, weights, final weights, data order, replay) and what
-    it cost ({"replay_steps", "replay_fraction", "replay_seconds", "verify_seconds"}); `threads`
-    overrides the run's own CPU threads (the replay is then no longer bit for bit)."""
+    """The replay's checks (initialisation, weights, final weights, data order, movement, logged
+    losses, replay) and what it cost ({"replay_steps", "replay_fraction", "replay_seconds",
+    "verify_seconds", "run_seconds"}); `threads` overrides the run's own CPU threads (the replay
+    is then no longer bit for bit)."""
     from onenode.train.recipe import RecipeError, load_recipe
 
     try:
@@ -138,19 +169,57 @@ def replay_checks(sub: A2Submission, profile: A2Profile, stack: Path, seed: str,
     checks.append(Check("final weights", final_ok, f"final/ {'holds' if final_ok else 'does NOT hold'} the weights of "
                         f"the chain's last checkpoint ({chain[-1].path.name})"))
     moved = next((found for found in recomputed if found["loader"]), None)
-    checks.append(Check("data order", moved is None, f"{moved['name']}'s data position is not the one the submitted "
-                        f"data gives at that step ({moved['loader']}): it trained on other data or another order"
-                        if moved else "every checkpoint's data position and order digest are the ones the submitted "
-                        "data gives (recomputed)"))
+    checks.append(Check("data order", moved is None, f"{moved['name']}'s stored data position is not the one the "
+                        f"submitted data gives at that step ({moved['loader']}): it trained on other data or another "
+                        "order" if moved else "every checkpoint's stored data position is the one the submitted data "
+                        "gives (the grader reads its own batches either way)"))
+    checks.append(Check("movement", *_movement(recomputed)))
+    checks.append(Check("logged losses", *_logged_losses(recomputed, chain, sub.metrics, profile.loss_tolerance)))
     steps = sum(span["steps"] for span in report["spans"])
     seconds = sum(span["seconds"] for span in report["spans"])
-    checks.append(Check("replay", *_replayed(report["spans"], chain[-1].step, profile.replay_tolerance)))
-    manifest_seconds = read_json(sub.manifest).get("wall_time_s")
+    ok, detail = _replayed(report["spans"], chain[-1].step, profile.replay_tolerance)
+    always = 1 if len(chain) == 2 else 2  # the first and the last span
+    checks.append(Check("replay", ok, f"{detail}; {detection_line(len(chain) - 1, len(spans) - always)}"
+                        if ok else detail))
+    manifest_seconds = sub.manifest.get("wall_time_s")
     cost = {"replay_steps": steps, "replay_fraction": steps / chain[-1].step, "replay_seconds": seconds,
             "verify_seconds": wall or time.monotonic() - start,
             "run_seconds": manifest_seconds if isinstance(manifest_seconds, (int, float)) else None}
     return checks, cost
 
+
+def _movement(recomputed: list[dict]) -> tuple[bool, str]:
+    """Whether every span moved the weights no further than training at its learning rates can."""
+    spans = [found for found in recomputed[1:] if found["movement"] is not None]
+    over = next((found for found in spans if not found["movement"] <= 1.0), None)
+    if over is not None:
+        before = recomputed[recomputed.index(over) - 1]["name"]
+        return False, (f"{before} -> {over['name']} moved {over['movement_at']} {over['movement']:.3g} times as far "
+                       "as any training at the schedule's learning rates can: that checkpoint was not trained from "
+                       "the one before")
+    most = max((found["movement"] for found in spans), default=0.0)
+    return len(spans) == len(recomputed) - 1, (f"every one of the {len(spans)} spans moved the weights within what "
+                                                f"its learning rates allow (at most {most:.2f} of the bound)")
+
+
+def _logged_losses(recomputed: list[dict], chain: list[Link], records: list[dict],
+                   tolerance: float) -> tuple[bool, str]:
+    """Whether the log's loss of each step after a checkpoint is that checkpoint's loss on the
+    grader's batch of the step (where the log has that step)."""
+    logged = {r["step"]: r["loss"] for r in records if isinstance(r.get("step"), int)
+              and isinstance(r.get("loss"), (int, float))}
+    compared = 0
+    for link, found in zip(chain, recomputed):
+        step = link.step + 1
+        if found["next_loss"] is None or step not in logged:
+            continue
+        compared += 1
+        if not math.isclose(logged[step], found["next_loss"], rel_tol=tolerance):
+            return False, (f"metrics.jsonl logs loss {logged[step]:.6g} at step {step}; {link.path.name} has loss "
+                           f"{found['next_loss']:.6g} on the grader's batch of that step: it trained on other data, or "
+                           "those weights are not the ones it trained")
+    return True, (f"{compared} of {len(chain) - 1} checkpoints' losses on the grader's batches are the logged ones"
+                  + ("" if compared else " (the log has no step right after a checkpoint)"))
 
 
 def _replayed(spans: list[dict], run_steps: int, tolerance: float) -> tuple[bool, str]:

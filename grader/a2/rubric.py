@@ -19,8 +19,9 @@ TITLES = {"budget": "Token budget and run audit", "benchmarks": "Benchmarks vs b
 @dataclass(frozen=True)
 class A2Profile(Profile):
     token_budget: int
-    replay_fraction: float  # the spans the grader replays add up to at most this share of a run's steps
+    replay_fraction: float  # the random spans replayed add up to at most this share of a run's steps
     replay_tolerance: float  # how far a replay not bit for bit may land, relative to the span's own move
+    loss_tolerance: float  # how far (relative) a checkpoint's loss on the grader's batch may be from the logged
     suite: str  # "offline" (built by the grader) or "standard" (lm-eval's tasks)
     margin_tiers: list  # [[margin over the baseline in standard errors of the difference, share], ...]
     max_length: int = 2048

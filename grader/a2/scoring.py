@@ -14,7 +14,7 @@ from ..rubric import tier_share
 from .audit import Check, audit_run, trained_shards
 from .contamination import contamination
 from .evaluation import evaluate_sandboxed
-from .intake import A2Submission, load_submission, read_json
+from .intake import A2Submission, load_submission
 from .job import A2Job
 from .replay import replay_checks
 from .rubric import TITLES
@@ -104,7 +104,7 @@ def grade_notebook(notebook: Path | None, logs: Path) -> list[dict]:
 
 def run_facts(sub: A2Submission) -> dict:
     """What the leaderboard shows about a run, from its manifest and recipe (as submitted)."""
-    manifest = read_json(sub.manifest)
+    manifest = sub.manifest
     recipe = manifest.get("recipe") or {}
     data = recipe.get("data", {})
     return {"parameters": manifest.get("parameters", {}), "tokens_seen": manifest.get("tokens_seen"),
@@ -138,6 +138,6 @@ def grade(job: A2Job, path: Path, work: Path, logs: Path) -> Graded:
         (logs / "eval-report.json").write_text(json.dumps(report, indent=2) + "\n")
     if job.notebooks:
         graded.tests += grade_notebook(sub.notebook, logs)
-    shutil.copy2(sub.metrics, logs / "metrics.jsonl")  # the leaderboard's loss curve
+    shutil.copy2(sub.metrics_path, logs / "metrics.jsonl")  # the leaderboard's loss curve
     graded.facts.update(run=run_facts(sub), audit=[c.__dict__ for c in checks])
     return graded

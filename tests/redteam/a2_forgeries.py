@@ -1,0 +1,259 @@
+"""Forged A2 runs, written as a group that wants the points without the training would write
+them: every file the grader reads as a claim is edited to agree, and the lie sits where the
+grader does not replay. Each is built from real runs of the tiny recipe on the grader's A2 stack
+(cached), and names the checks that must fail whatever spans the job's seed draws.
+
+- forged first, middle or last span: one checkpoint's weights swapped for those of a run trained
+  four times as long (its recorded hash updated), the rest of the chain trained on from it, so
+  every other link is honest;
+- rewritten loader states: one span trained on other batches, its checkpoints' loader states
+  rewritten to the positions the submitted data gives, the run continued on the right data;
+- more tokens: a run of four times the budget, every file edited to claim the budget;
+- a larger batch: a run of four times the batch, every file (loader states too) edited to claim
+  the recipe's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import yaml
+
+KIT = Path(__file__).resolve().parents[2]
+TINY = KIT / "a2_pretrain" / "recipes" / "tiny.yaml"
+STEPS, TOKENS_PER_STEP = 20, 4 * 32
+BUDGET = STEPS * TOKENS_PER_STEP
+EVERY = 2  # checkpoint every 2 steps: 10 spans
+# 20 steps of 4 x 32 tokens in 2 micro-batches, a checkpoint every 2 steps (10% of the run: the
+# cpu-tiny profile replays the first, the last and one random span): seconds on the grader's A2 stack.
+SMALL = {"train.seq_len": 32, "train.global_batch_size": 4, "train.micro_batch_size": 2,
+         "train.token_budget": BUDGET, "checkpoint.every_steps": EVERY, "checkpoint.keep_last": 0,
+         "eval.every_steps": 0, "eval.batches": 1, "log.every_steps": 1, "log.tensorboard": False,
+         "log.progress_bar": False}
+LONG = {**SMALL, "train.token_budget": 4 * BUDGET, "checkpoint.every_steps": 8}  # 80 steps
+WIDE = {**SMALL, "train.global_batch_size": 16, "train.token_budget": 4 * BUDGET}  # 20 steps of 16 x 32
+
+
+def make_reference():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_reference", KIT / "solutions" / "a2" / "make_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Runs:
+    """The real runs the forgeries start from, each trained once (cached by content)."""
+
+    @staticmethod
+    def _trained(overrides: dict) -> Path:
+        from grader.a2.job import trained_run
+
+        return trained_run(TINY, overrides)
+
+    @cached_property
+    def honest(self) -> Path:
+        return self._trained(SMALL)
+
+    @cached_property
+    def long(self) -> Path:
+        return self._trained(LONG)
+
+    @cached_property
+    def wide(self) -> Path:
+        return self._trained(WIDE)
+
+
+@dataclass(frozen=True)
+class Forgery:
+    name: str
+    build: Callable[[Runs, Path], Path]  # (the runs, a destination folder) -> the submission folder
+    caught_by: dict[str, str]  # check that must fail -> regex over its detail
+    slow: bool = True
+
+
+# --------------------------------------------------------------------------- editing a run
+
+
+def edit_json(path: Path, change) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data, indent=2))
+
+
+def checkpoint(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step_{step:08d}"
+
+
+def metas(run: Path) -> list[Path]:
+    return sorted((run / "checkpoints").glob("step_*/meta.json"))
+
+
+def swap_weights(into: Path, source: Path) -> None:
+    """Checkpoint `into` given `source`'s weights (and optimizer state), its recorded hash updated."""
+    for old in [into / ".metadata", *into.glob("*.distcp")]:
+        old.unlink()
+    for new in [source / ".metadata", *source.glob("*.distcp")]:
+        shutil.copy2(new, into / new.name)
+    weights = json.loads((source / "meta.json").read_text())["weights_sha256"]
+    edit_json(into / "meta.json", lambda meta: meta.update(weights_sha256=weights))
+
+
+def cut_after(run: Path, step: int) -> None:
+    """The run as it was at `step`: later checkpoints and the export gone (the trainer then resumes there)."""
+    for path in metas(run):
+        if json.loads(path.read_text())["step"] > step:
+            shutil.rmtree(path.parent)
+    shutil.rmtree(run / "final", ignore_errors=True)
+
+
+def train_on(run: Path, overrides: dict, *options: str) -> None:
+    from grader.a2.job import train_on_stack
+
+    train_on_stack(TINY, run, overrides, *options)
+
+
+def copy_run(run: Path, dest: Path) -> Path:
+    shutil.copytree(run, dest)
+    return dest
+
+
+def assemble(run: Path, dest: Path) -> Path:
+    return make_reference().assemble(run, dest)
+
+
+# --------------------------------------------------------------------------- the forgeries
+
+
+def forged_span(step: int) -> Callable[[Runs, Path], Path]:
+    """The honest run whose checkpoint at `step` holds the long run's final weights, trained on
+    from there to the end (the last checkpoint's: final/ too): one span of the chain a lie."""
+
+    def build(runs: Runs, dest: Path) -> Path:
+        work = copy_run(runs.honest, dest / "work")
+        swap_weights(checkpoint(work, step), checkpoint(runs.long, 4 * STEPS))
+        if step < STEPS:
+            cut_after(work, step)
+            train_on(work, SMALL)
+        else:
+            for name in ("model.safetensors", "config.json"):
+                shutil.copy2(runs.long / "final" / name, work / "final" / name)
+        return assemble(work, dest / "sub")
+
+    return build
+
+
+def rewritten_loader_states(runs: Runs, dest: Path, start: int = 10) -> Path:
+    """The span `start` -> `start + 2` trained on other batches (seed 1's synthetic stream), its
+    checkpoint's meta.json and trainer state rewritten to the honest run's (recipe hash, seed,
+    data position and digest), then the run continued on the right data."""
+    import torch
+
+    work = copy_run(runs.honest, dest / "work")
+    cut_after(work, start)
+    train_on(work, {**SMALL, "seed": 1}, f"--stop-after={start + EVERY}")
+    end = checkpoint(work, start + EVERY)
+    forged = json.loads((end / "meta.json").read_text())
+    honest = json.loads((checkpoint(runs.honest, start + EVERY) / "meta.json").read_text())
+    (end / "meta.json").write_text(json.dumps({**honest, "weights_sha256": forged["weights_sha256"],
+                                               "previous": forged["previous"]}, indent=2))
+    state_file = end / "trainer_state_rank0.pt"
+    state = torch.load(state_file, weights_only=True)
+    state["loader"] = torch.load(checkpoint(runs.honest, start + EVERY) / state_file.name, weights_only=True)["loader"]
+    torch.save(state, state_file)
+    train_on(work, SMALL)
+    return assemble(work, dest / "sub")
+
+
+def disguise(run: Path, dest: Path, factor: int) -> Path:
+    """A run trained `factor` times past its claim, with every file edited to claim 1/factor of
+    it: the recipe's budget, the manifests, the log, the checkpoints renamed and their meta.json
+    rewritten (steps, tokens, links, recipe hash). Only the weights and the data position tell."""
+    from onenode.train.recipe import load_recipe
+
+    sub = assemble(run, dest)
+    recipe = yaml.safe_load((sub / "recipe.yaml").read_text())
+    recipe["train"]["token_budget"] //= factor
+    (sub / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    claimed = load_recipe(sub / "recipe.yaml").training_sha256
+    for meta_path in metas(sub):
+        meta = json.loads(meta_path.read_text())
+        meta.update(step=meta["step"] // factor, tokens_seen=meta["tokens_seen"] // factor, training_sha256=claimed)
+        if meta["previous"]:
+            meta["previous"]["step"] //= factor
+        meta_path.write_text(json.dumps(meta))
+        meta_path.parent.rename(meta_path.parent.with_name(f"step_{meta['step']:08d}"))
+
+    def claim(m):
+        m.update({k: m[k] // factor for k in ("steps", "total_steps", "tokens_seen", "token_budget",
+                                               "data_tokens_served")}, recipe=recipe)
+    for path in (sub / "run_manifest.json", sub / "final" / "run_manifest.json"):
+        edit_json(path, claim)
+    records = [json.loads(line) for line in (sub / "metrics.jsonl").read_text().splitlines()]
+    (sub / "metrics.jsonl").write_text("".join(
+        json.dumps({**r, "step": r["step"] // factor, "tokens": r["tokens"] // factor}) + "\n"
+        for r in records if r["step"] % factor == 0))
+    return sub
+
+
+def more_tokens(runs: Runs, dest: Path) -> Path:
+    return disguise(runs.long, dest / "sub", factor=4)
+
+
+def larger_batch(runs: Runs, dest: Path) -> Path:
+    """The run of four times the batch claiming the recipe's: the recipe, the manifests, the log's
+    token counts, every checkpoint's recipe hash, layout, token count and loader state (the honest
+    run's, which a fresh loader gives) edited to match."""
+    import torch
+
+    from onenode.train.recipe import load_recipe
+
+    sub = assemble(runs.wide, dest / "sub")
+    recipe = yaml.safe_load((sub / "recipe.yaml").read_text())
+    recipe["train"].update(global_batch_size=SMALL["train.global_batch_size"], token_budget=BUDGET)
+    (sub / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    claimed = load_recipe(sub / "recipe.yaml").training_sha256
+    for meta_path in metas(sub):
+        honest = checkpoint(runs.honest, json.loads(meta_path.read_text())["step"])
+        truth = json.loads((honest / "meta.json").read_text())
+        meta = json.loads(meta_path.read_text())
+        meta.update({k: truth[k] for k in ("tokens_seen", "layout", "loader", "data_digest")}, training_sha256=claimed)
+        meta_path.write_text(json.dumps(meta, indent=2))
+        state_file = meta_path.parent / "trainer_state_rank0.pt"
+        state = torch.load(state_file, weights_only=True)
+        own = torch.load(honest / state_file.name, weights_only=True)
+        state.update(tokens_seen=own["tokens_seen"], loader=own["loader"])
+        torch.save(state, state_file)
+    honest_manifest = json.loads((runs.honest / "run_manifest.json").read_text())
+    keys = ("tokens_seen", "tokens_per_step", "token_budget", "data_tokens_served", "data_digest")
+
+    def claim(m):
+        m.update({k: honest_manifest[k] for k in keys}, recipe=recipe)
+    for path in (sub / "run_manifest.json", sub / "final" / "run_manifest.json"):
+        edit_json(path, claim)
+    records = [json.loads(line) for line in (sub / "metrics.jsonl").read_text().splitlines()]
+    (sub / "metrics.jsonl").write_text("".join(
+        json.dumps({**r, "tokens": r["step"] * TOKENS_PER_STEP}) + "\n" for r in records))
+    return sub
+
+
+NOT_TRAINED = r"moved .* times as far as any training at the schedule's learning rates can"
+NOT_REPLAYED = r"were not trained by that span"
+FORGERIES = [
+    Forgery("forged-first-span", forged_span(EVERY),
+            {"movement": r"^step_00000000 -> step_00000002 " + NOT_TRAINED, "replay": NOT_REPLAYED}),
+    Forgery("forged-middle-span", forged_span(STEPS // 2), {"movement": r"^step_00000008 -> step_00000010 "
+                                                            + NOT_TRAINED}, slow=False),
+    Forgery("forged-last-span", forged_span(STEPS),
+            {"movement": r"^step_00000018 -> step_00000020 " + NOT_TRAINED, "replay": NOT_REPLAYED}),
+    Forgery("rewritten-loader-states", rewritten_loader_states,
+            {"logged losses": r"at step 11; step_00000010 has loss .* on the grader's batch of that step"}),
+    Forgery("more-tokens", more_tokens, {"movement": NOT_TRAINED, "replay": NOT_REPLAYED}),
+    Forgery("larger-batch", larger_batch, {"replay": NOT_REPLAYED}),
+]
