@@ -491,3 +491,18 @@ def test_readme_a2_block_runs_from_data_to_evaluation(tmp_path):
     manifest = json.loads((repo / "runs" / "tiny" / "run_manifest.json").read_text())
     assert manifest["recipe"]["data"] == {"source": "shards", "path": "data/default", "mixture": {}}
     assert "onenode_cloze" in done.stdout and " ± " in done.stdout
+
+
+GUIDES = sorted({*CHECKED_DOCS, *(str(p.relative_to(KIT)) for p in (KIT / "docs").glob("*.md"))})
+
+
+@pytest.mark.parametrize("doc", GUIDES)
+def test_documents_link_only_to_files_of_the_kit(doc):
+    """A relative link of a guide or record names a file the repository has (the student
+    release's own check, `grader.release.dead_links`, covers what ships to students)."""
+    from grader.release import relative_links
+
+    path = KIT / doc
+    dead = [target for target in relative_links(path.read_text(encoding="utf-8"))
+            if not (resolved := (path.parent / target).resolve()).is_file() or KIT not in resolved.parents]
+    assert not dead, f"{doc} links to {', '.join(dead)}, which the kit does not have"
