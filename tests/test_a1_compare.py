@@ -289,3 +289,22 @@ def test_wrong_ep_losses_zero_part2(profile):
     wrong[0]["grad_norm"] = math.inf
     scores, outputs = part2(profile, 0.5, wrong, traffic_mb=1.0)
     assert scores == [0, 0, 0] and outputs[0].startswith("wrong: ")
+
+
+# -- the kit's own training comparison (tests/dist_utils.py) ------------------------------------------
+def test_the_kits_training_comparison_judges_each_stacked_expert_on_its_own_scale():
+    import torch
+    from dist_utils import assert_same_training
+
+    experts = torch.randn(4, 3, 2, generator=torch.Generator().manual_seed(0))
+    experts[2] *= 1e-4  # a rarely routed expert: its sign flipped is within 1e-3 of the largest
+
+    def training(grads):
+        return {"losses": [2.0], "grad_norms": [1.0], "grads": {"layers.0.mixer.experts.up_proj": grads.tolist()}}
+
+    noise = 1e-4 * experts.abs().flatten(1).amax(1)[:, None, None]
+    assert_same_training(training(experts), training(experts + noise), "noise")
+    wrong = experts.clone()
+    wrong[2] *= -1
+    with pytest.raises(AssertionError, match="gradient of layers.0.mixer.experts.up_proj"):
+        assert_same_training(training(experts), training(wrong), "the rare expert's sign flipped")
