@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from redteam import a1_evidence
 from redteam.cases import CASES, PAYLOADS, STARTER, Case, folder
 
 from grader import cohort
@@ -114,7 +115,7 @@ def _marks(case: Case) -> list:
     return [pytest.mark.slow] if case.runs else []
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=_marks(c)) for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=_marks(c)) for c in CASES + a1_evidence.CASES])
 def test_adversarial_submission(case: Case, planted_cohort, tmp_path, request, monkeypatch):
     job = request.getfixturevalue("layout_job" if case.part in ("ep", "pp") else "job")
     if case.part in ("ep", "pp"):  # graded on the part it attacks alone: the others' sessions do not run
