@@ -7,7 +7,10 @@ after `<!-- gpu -->` or `<!-- slow -->` is only checked. Every other block of th
 in document order, in a scratch repository laid out like the students' one, and must print what
 a ```text block right after it shows; the A1 blocks must leave a submission the grader's own
 intake accepts. The instructor's commands run on a grading node from the kit root, so each of
-its blocks must be marked.
+its blocks must be marked. The blocks of the kit README, `benchmarks/README.md` and every record's
+README are checked the same way (not run), and a kit script with subcommands (`make_patches.py`,
+`step_probes.py`) must be given one it has. Every relative link of these documents and of
+`docs/` names a file of the kit.
 
 Figures, in these three and in the kit README and `benchmarks/README.md`: a figure linked to its
 record, `[12.07x](../benchmarks/results/.../part1-moe.json "extra_data.numbers.moe_speedup")`, or
