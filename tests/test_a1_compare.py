@@ -148,11 +148,13 @@ def test_the_same_steps_match_and_a_difference_is_relative():
     lambda s: s[2].__setitem__("loss", None),
     lambda s: s[2].__setitem__("loss", "4.0"),
     lambda s: s[0].pop("grad_norm"),
+    lambda s: s[1].__setitem__("grad_norm_clipped", 1.0),
     lambda s: s.pop(),
     lambda s: s.append(dict(s[-1])),
     lambda s: s.clear(),
     lambda s: s.__setitem__(1, [3.9, 2.0]),
-], ids=["nan-loss", "inf-grad-norm", "none", "string", "missing-key", "short", "extra-step", "empty", "not-a-dict"])
+], ids=["nan-loss", "inf-grad-norm", "none", "string", "missing-key", "extra-key", "short", "extra-step", "empty",
+        "not-a-dict"])
 def test_malformed_steps_are_infinitely_wrong(edit):
     sub = steps()
     edit(sub)

@@ -77,13 +77,14 @@ def _moe_digest_error(ref: dict, sub) -> float:
 
 
 def loss_error(ref: list[dict], sub: list[dict]) -> float:
-    """Worst relative error of the loss and gradient norm, step by step: a step missing, extra,
-    or without a finite loss and gradient norm is infinitely wrong."""
+    """Worst relative error of the loss and gradient norm, step by step: a step missing or extra,
+    with an entry missing or extra, or without a finite loss and gradient norm is infinitely
+    wrong."""
     if not _same_length(ref, sub) or not ref:
         return math.inf
     errors = [0.0]
     for r, s in zip(ref, sub):
-        if not isinstance(s, dict):
+        if not isinstance(s, dict) or set(s) != set(r):
             return math.inf
         for key in ("loss", "grad_norm"):
             errors.append(relative_error(s.get(key), r[key], r[key]))

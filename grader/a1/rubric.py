@@ -67,7 +67,7 @@ class A1Profile(Profile):
 
     def __post_init__(self):
         for measurement, bounds in self.speed.items():
-            if not (isinstance(bounds, list) and len(bounds) == 2 and 0 < bounds[0] < bounds[1]):
+            if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2 and 0 < bounds[0] < bounds[1]):
                 raise ValueError(f"profile {self.name}: speed.{measurement} = {bounds!r}: give [low, high] "
                                  "speedups with 0 < low < high")
         if self.pipeline_memory is not None and (self.device != "cpu" or self.dtype != "float32"
