@@ -242,6 +242,67 @@ def test_fused_update_compiles_as_one_graph():
     assert torch.equal(eager[5][0], eager[0][0].bfloat16()) and float(eager[4][0]) == 4.0
 
 
+def _fused_update_graphs(count: int, update_of) -> tuple[list[int], list[torch.Tensor]]:
+    """Two fused steps over `count` same-shaped matrices (as a model with one parameter per expert
+    matrix has) plus a few of other shapes, in two groups, the update compiled by `update_of(record)`
+    with `record(graph)` called for each graph made; the node count of each graph, and the masters."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from onenode.parallel.mixed_precision import MasterWeights
+    from onenode.train import master_update
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(4, 8)] * count + [(8,), (16, 8), (3,)]
+    masters = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in shapes]
+    weights = MasterWeights()
+    for master in masters[:-1]:  # the last has no copy: its gradient is on the master
+        weights.copy_of[id(master)] = torch.nn.Parameter(master.detach().bfloat16())
+    optimizer = torch.optim.AdamW([{"params": masters[::2]}, {"params": masters[1::2], "weight_decay": 0.0}],
+                                  lr=1e-2, foreach=False)
+    for master in masters:  # the first step is torch's: it makes the state
+        master.grad = torch.randn(master.shape, generator=gen)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    sizes = []
+
+    def record(graph, example_inputs):
+        sizes.append(len(graph.graph.nodes))
+        return lookup_backend("aot_eager")(graph, example_inputs)
+
+    torch._dynamo.reset()
+    update = update_of(record)
+    for _ in range(2):
+        for master in masters:
+            holder = weights.copy_of.get(id(master), master)
+            holder.grad = torch.randn(master.shape, generator=gen).bfloat16().to(holder.dtype)
+        master_update.clip_and_update(weights, optimizer, 1.0, update=update)
+    torch._dynamo.reset()
+    return sizes, [m.detach().clone() for m in masters]
+
+
+@pytest.mark.slow
+def test_fused_update_graphs_do_not_grow_with_the_parameter_count(monkeypatch):
+    """The compiled update traced (aot_eager) for 3,000 parameters and for 30: each graph holds at
+    most one chunk, about as many graphs serve both (a few kinds of chunk per group), none is made
+    on the second step, and the update is the eager one. One graph over every parameter took minutes
+    to compile on a GPU for a model with a parameter per expert matrix: the starter's bench hung.
+    Chunks of 4 here, to keep the tracing cheap; the rule is the same for any size."""
+    from onenode.train import master_update
+
+    monkeypatch.setattr(master_update, "CHUNK", 4)
+
+    def compiled(record):
+        return torch.compile(master_update._adamw, backend=record, dynamic=False, fullgraph=True)
+
+    small, _ = _fused_update_graphs(30, compiled)
+    large, large_masters = _fused_update_graphs(3000, compiled)
+    assert max(large) <= max(small) <= 40 * master_update.CHUNK, (small, large)
+    assert len(large) <= len(small) + 2, (small, large)  # only the groups' last chunks differ
+    _, eager_masters = _fused_update_graphs(3000, lambda record: master_update._adamw)
+    for compiled_master, eager_master in zip(large_masters, eager_masters):
+        assert torch.allclose(compiled_master, eager_master, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the compiled update runs on a GPU"))])
 def test_fused_update_is_torch_adamw_on_the_same_gradients(device):

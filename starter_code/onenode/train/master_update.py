@@ -4,28 +4,33 @@ copies written, in one pass over each parameter.
 The unfused step (`train_step` everywhere else) reads and writes every parameter's state several
 times: each bf16 gradient is cast into a float32 one, the clip reads and rescales those, AdamW reads
 gradient, master and moments and writes master and moments, and the next forward casts each
-master into its bf16 copy again (`parallel/mixed_precision.py`). For the a1-1gpu model at one
-sequence of 4096 tokens on an H200 that was 35 ms of a 79 ms step
-(benchmarks/results/2026-12-01-h200-one-process). Here the bf16 gradients stay on the copies, the
-clip's norm is computed from them, and one kernel per parameter (compiled on a GPU) applies the
-clip coefficient, updates the master and both moments, and writes the copy: about 30 bytes per
-parameter instead of 52. Measured there: the optimizer side 17.5 ms, the step at 15.3% MFU against
-12.1% (benchmarks/results/2026-12-01-h200-fused-update).
+master into its bf16 copy again (`parallel/mixed_precision.py`). Here the bf16 gradients stay on the
+copies, the clip's norm is computed from them, and one kernel per parameter (compiled on a GPU)
+applies the clip coefficient, updates the master and both moments, and writes the copy: about 30
+bytes per parameter instead of 52.
 
 The math is torch's AdamW (decoupled weight decay, bias corrections from each parameter's step
 count), on the optimizer's own state, so checkpoints and the unfused step read and continue it. It
 applies to one `torch.optim.AdamW` whose parameters all have state (the first step runs unfused,
-which makes it) and to steps of one micro-batch (several add up in float32, on the masters). A CPU
-runs the same function uncompiled, a loop of small ops, somewhat slower than the unfused step (a
-tiny model's step: 69 ms against 51): one process in bf16 on a CPU is for tests and smoke runs, and
-there it checks the very update a GPU compiles.
+which makes it) and to steps of one micro-batch (several add up in float32, on the masters).
+
+The compiled update takes the parameters in chunks of at most `CHUNK`, sorted by shape and dtype,
+so its graphs stay the size of one chunk whatever the model's parameter count: a model that keeps
+one parameter per expert matrix (thousands of them) reuses a few graphs of `CHUNK` same-shaped
+tensors, instead of compiling one graph that unrolls every parameter. A CPU runs the same function
+uncompiled, a loop of small ops: one process in bf16 on a CPU is for tests and smoke runs, and there
+it checks the very update a GPU compiles.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..parallel.mixed_precision import MasterWeights
+
+CHUNK = 16  # parameters per compiled call: bounds each graph's size (and compile time); a step makes N / CHUNK calls
 
 
 def applies(weights: MasterWeights | None, optimizer, accumulation_steps: int) -> bool:
@@ -63,12 +68,39 @@ def _adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list
 _compiled_adamw = torch.compile(_adamw, dynamic=False)
 
 
+def _signature(member) -> tuple:
+    """What a compiled graph specializes on, per parameter: chunks of equal signatures share a graph."""
+    param, grad, _, copy = member
+    return (tuple(param.shape), param.stride(), param.dtype, grad.dtype, grad.stride(),
+            None if copy is None else copy.dtype)
+
+
+def chunks(members: list) -> list[list]:
+    """`members` sorted by signature and cut into runs of at most `CHUNK`: a model with many
+    parameters of one shape makes many equal chunks, which one compiled graph serves."""
+    members = sorted(members, key=lambda m: repr(_signature(m)))
+    return [members[i:i + CHUNK] for i in range(0, len(members), CHUNK)]
+
+
+def _graphs_allowed(calls: list[tuple]) -> contextlib.AbstractContextManager:
+    """Room in dynamo's cache for one graph per distinct chunk of this step (its default limit of 8
+    per function would send the rest to eager): at most the number of chunks, in practice about two
+    per distinct parameter shape."""
+    distinct = len({(tuple(_signature(m) for m in chunk), hyper) for chunk, _, hyper in calls})
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{name: max(getattr(config, name), distinct)})
+
+
 @torch.no_grad()
-def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_norm: float) -> torch.Tensor:
+def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_norm: float,
+                    update=None) -> torch.Tensor:
     """Clip the step's gradients (on the bf16 copies, or on the masters that have none) to a global
     L2 norm and take `optimizer`'s AdamW step, writing the copies; the norm before clipping, a 0-d
-    float32 tensor (no host sync, as `step.clip_grad_norm_`)."""
-    groups = []
+    float32 tensor (no host sync, as `step.clip_grad_norm_`). `update` is the chunk update to call
+    (default: `_adamw`, compiled on a GPU)."""
+    calls = []  # (chunk of (param, grad, state, copy), the group's lr as a tensor, its other hyperparameters)
+    grads = []  # in the optimizer's order, as the unfused clip sums their norms
     for group in optimizer.param_groups:
         members = []
         for param in group["params"]:
@@ -76,22 +108,24 @@ def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_no
             grad = copy.grad if copy is not None else param.grad
             if grad is not None:
                 members.append((param, grad, optimizer.state[param], copy))
+        grads += [grad for _, grad, _, _ in members]
         if members:
-            groups.append((group, members))
-    grads = [grad for _, members in groups for _, grad, _, _ in members]
+            lr = torch.full((), group["lr"], device=members[0][1].device)
+            hyper = (*group["betas"], group["eps"], group["weight_decay"])
+            calls += [(chunk, lr, hyper) for chunk in chunks(members)]
     if not grads:
         return torch.zeros(())
     total_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
     coef = torch.ones_like(total_norm)
     if max_norm and max_norm > 0:
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for group, members in groups:
-        params, group_grads, states, copies = (list(column) for column in zip(*members))
-        update = _compiled_adamw if params[0].is_cuda else _adamw
-        beta1, beta2 = group["betas"]
-        update(params, group_grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-               [s["step"] for s in states], copies, torch.full((), group["lr"], device=params[0].device), coef,
-               beta1, beta2, group["eps"], group["weight_decay"])
+    if update is None:
+        update = _compiled_adamw if grads[0].is_cuda else _adamw
+    with _graphs_allowed(calls):
+        for chunk, lr, hyper in calls:
+            params, chunk_grads, states, copies = (list(column) for column in zip(*chunk))
+            update(params, chunk_grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                   [s["step"] for s in states], copies, lr, coef, *hyper)
     weights.drop_copy_grads()
     weights.copies_written()
     return total_norm
