@@ -24,7 +24,7 @@ export JUPYTER_RUNTIME_DIR := $(CACHE)/jupyter/runtime
 export ONENODE_CACHE := $(CACHE)/onenode
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup demo test test-fast mamba-ssm mamba-ssm-wheel bubblewrap system-deps browser clean
+.PHONY: setup demo test test-fast node-check mamba-ssm mamba-ssm-wheel bubblewrap system-deps browser clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,12 @@ test: setup bubblewrap
 test-fast: setup bubblewrap
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not slow"
+
+## TAs, on a fresh node before grading: GPUs and NCCL, bubblewrap, the starter's and the solution's
+## bench, one A1 grade of the reference and a short A2 run replayed; PASS or FAIL (with the fix) per
+## item (cluster/node_check.py; PROFILE=... forces the profile). CPU-only: the CPU items, on cpu-tiny.
+node-check: setup
+	$(PY) cluster/node_check.py
 
 ## mamba-ssm's Triton SSD, for `--mamba-kernel mamba_ssm` (GPU only). Its CUDA extensions are not
 ## built (MAMBA_SKIP_CUDA_BUILD): the kit uses only the Triton kernels, which need none, and the
