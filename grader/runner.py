@@ -4,14 +4,21 @@ The clock is the grader's: it starts before the workload (a seed) is written to 
 stops when the answer (a digest) is read back, so a child cannot report its own times, and it
 cannot precompute anything, because the inputs come from a seed it has not seen yet.
 
-One child (with all its ranks) serves the sessions of a submission one after another, so torch
-is imported once per submission, not once per part. A session that fails costs its child: the
-next session starts a fresh one, so a crash, hang or OOM in one part never touches another.
+Every session runs in a child of its own: a fresh sandbox, scratch copy, /tmp and process tree,
+with the session's own ranks. Nothing one session leaves (a process, a module's state, a file)
+exists when the next starts, so no session can answer with another's results, and a crash, hang
+or OOM in one part never touches another.
+
+A session timed beside the starter's takes turns with it step by step. On CPU the idle one is
+frozen (SIGSTOP stops all of its work). On a GPU a frozen process's queued kernels keep running,
+so there the submission's session runs to its end and its child is ended, its GPU contexts gone
+(`SandboxedProcess.wait` waits for nvidia-smi to list none), before the starter's is timed.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -37,11 +44,15 @@ class Harness:
 
 @dataclass
 class Session:
-    """One thing to run: a name (its log and feedback title), a harness spec, the seeds."""
+    """One thing to run: a name (its log and feedback title), a harness spec, the seeds (one per
+    workload, drawn by the grader), the ranks its child starts and the files it reads (names of
+    `run_sessions`'s `files_in`, copied into its child)."""
 
     name: str
     spec: dict
     seeds: list[int]
+    world: int = 1
+    reads: tuple[str, ...] = ()
 
 
 @dataclass
@@ -66,6 +77,13 @@ class SessionResult:
         return self.error is None
 
 
+def child_cpus(profile: Profile, world: int) -> tuple[int, ...]:
+    """The CPUs a child of `world` ranks may use: `threads` per rank, the first of the grader's own
+    (every child the same ones: a submission and the starter take turns on them)."""
+    mine = sorted(os.sched_getaffinity(0))
+    return tuple(mine[:max(1, min(len(mine), profile.threads * world))])
+
+
 def limits_for(profile: Profile, world: int, sessions: int, max_file_mb: int) -> Limits:
     """One child's limits. RLIMIT_AS is meaningless under CUDA (it maps far more than it uses)."""
     return Limits(
@@ -74,6 +92,7 @@ def limits_for(profile: Profile, world: int, sessions: int, max_file_mb: int) ->
         memory_mb=None if profile.device == "cuda" else profile.memory_mb,
         nproc=512 + 256 * world,  # threads count: torch, gloo and NCCL start many per rank
         fsize_mb=max_file_mb,
+        cpus=child_cpus(profile, world),
     )
 
 
@@ -83,6 +102,7 @@ class Child:
     def __init__(self, name: str, tree: Path, harness: Harness, profile: Profile, world: int, sessions: int,
                  files_in: dict[str, Path]):
         self.name, self.profile = name, profile
+        self.ended: tuple[str, str] | None = None
         self.scratch = make_scratch()
         try:
             shutil.copytree(tree / "starter_code", self.scratch / "starter_code")
@@ -168,7 +188,8 @@ class Child:
         """Run a session; with a `baseline` (the starter's child and session) the two take
         turns step by step (ABBA), so both are timed on the same machine in the same minutes.
         Whichever is timed runs alone: every process of the other is frozen meanwhile, so
-        nothing one leaves running (a CPU burner, say) can slow the other's turn."""
+        nothing one leaves running (a CPU burner, say) can slow the other's turn. CPU only: on a
+        GPU see `run_beside`."""
         deadline = time.monotonic() + self.profile.timeout_s
         pairs = [(self, session, self.open(session, deadline))]
         if baseline is not None:
@@ -193,7 +214,9 @@ class Child:
 
     def close(self, logs: Path | None) -> tuple[str, str]:
         """End the child (politely, then not), save its log as `<name>.log` in `logs` (if given);
-        (log, one-line reason it ended)."""
+        (log, one-line reason it ended). Once ended, the same answer again."""
+        if self.ended is not None:
+            return self.ended
         try:
             self.proc.stdin.close()
         except OSError:
@@ -203,7 +226,8 @@ class Child:
         if logs is not None:
             (logs / f"{self.name}.log").write_text(log, encoding="utf-8")
         shutil.rmtree(self.scratch, ignore_errors=True)
-        return log, ended.reason
+        self.ended = log, ended.reason
+        return self.ended
 
 
 class Baseline:
@@ -249,44 +273,56 @@ class Baseline:
             self.child = None
 
 
-def run_sessions(harness: Harness, tree: Path, profile: Profile, world: int, sessions: list[Session], logs: Path,
+def run_beside(child: Child, session: Session, starter: Baseline, logs: Path
+               ) -> tuple[SessionResult, SessionResult]:
+    """`session` on `child`, timed beside the starter's. On a GPU the submission's child is ended
+    (its log saved) before the starter's first timed step: a stopped process's queued kernels
+    would run on into the starter's turn, an ended one's cannot."""
+    if child.profile.device != "cuda":
+        return child.run(session, (starter.next_child(), starter.session))
+    result, _ = child.run(session)
+    child.close(logs)
+    base_result, _ = starter.next_child().run(starter.session)
+    return result, base_result
+
+
+def run_sessions(harness: Harness, tree: Path, profile: Profile, sessions: list[Session], logs: Path,
                  files_in: dict[str, Path] | None = None, files_out: dict[str, Path] | None = None,
                  baselines: dict[str, Baseline] | None = None) -> dict[str, SessionResult]:
-    """Run `sessions` in order on children of `world` ranks running `harness`; a failed session
-    ends its child.
+    """Run `sessions` in order, each on a fresh child of its own `world` ranks running `harness`.
 
     `files_in` are copied into each child's scratch under their keys before it starts (weights);
-    `files_out` are copied back from the last child's scratch at the end, if it wrote them.
-    `baselines` maps a session name to the starter's `Baseline`: that session is timed in turns
-    with the starter's; its result is returned under "<name>-starter".
+    `files_out` are copied out of a child's scratch once its session ends, if it wrote them, and
+    handed in to the sessions after it (the starter's weights, saved by one session, loaded by the
+    next). `baselines` maps a session name to the starter's `Baseline`: that session is timed in
+    turns with the starter's; its result is returned under "<name>-starter".
     """
     logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, SessionResult] = {}
-    child, children = None, 0
+    files_in = dict(files_in or {})
     try:
         for i, session in enumerate(sessions):
-            if child is None:
-                children += 1
-                child = Child(f"child-{children}", tree, harness, profile, world, len(sessions) - i, files_in or {})
-            starter = (baselines or {}).get(session.name)
-            result, base_result = child.run(session, starter and (starter.next_child(), starter.session))
-            results[session.name] = result
-            if starter is not None:
-                results[f"{session.name}-starter"] = starter.done(base_result, logs)
-            if not result.ok:
+            child = Child(f"child-{i + 1}-{session.name}", tree, harness, profile, session.world, 1,
+                          {name: files_in[name] for name in session.reads})
+            try:
+                starter = (baselines or {}).get(session.name)
+                if starter is None:
+                    result, _ = child.run(session)
+                else:
+                    result, base_result = run_beside(child, session, starter, logs)
+                    results[f"{session.name}-starter"] = starter.done(base_result, logs)
+                results[session.name] = result
+                for name, dst in (files_out or {}).items():
+                    if result.ok and (child.scratch / name).is_file():
+                        shutil.copy2(child.scratch / name, dst)
+                        files_in[name] = dst
+            finally:
                 log, reason = child.close(logs)
-                child = None
-                _with_reason(result, log, reason)
-        if child is not None:
-            for name, dst in (files_out or {}).items():
-                if (child.scratch / name).is_file():
-                    shutil.copy2(child.scratch / name, dst)
+                if session.name in results:
+                    _with_reason(results[session.name], log, reason)
     except SandboxError as e:
         for s in sessions:
             results.setdefault(s.name, SessionResult(error=f"sandbox: {e}"))
-    finally:
-        if child is not None:
-            child.close(logs)
     return results
 
 

@@ -17,6 +17,11 @@ What the sandbox enforces, and where (docs/SECURITY.md has the threat model):
   (no groups, no capabilities), so RLIMIT_NPROC caps the run's processes and the scratch copy is
   the only thing it owns. Not root: bwrap runs as the grader's user in a user namespace of its
   own, which may create no further ones.
+- CPUs: ``Limits.cpus`` pins the child to a CPU set (``sched_setaffinity`` before exec) and, where
+  a cgroup v2 with the cpu controller is delegated to the grader (``ONENODE_CGROUP``, or its own),
+  caps it at that many CPUs' time (``cpu.max``, and ``cpuset.cpus`` where that controller is on)
+  in a cgroup of its own, which the leased uid cannot leave or change. Without such a cgroup the
+  affinity is all there is, and the child could widen it: ``capabilities()["cpu_quota"]`` says so.
 - rlimits on CPU time, address space, processes, open files and file size; ``no_new_privs``;
   wall time, killing the whole pid namespace at the end and capped stdout/stderr are enforced
   from the grader process.
@@ -68,6 +73,8 @@ MIB = 1 << 20
 BWRAP = "bwrap"  # looked up on the grader's PATH (Debian/Ubuntu: apt-get install bubblewrap)
 SETPRIV = "setpriv"  # util-linux: drops to the leased uid inside the sandbox when the grader is root
 UNSAFE_ENV = "ONENODE_UNSAFE_NO_SANDBOX"  # "1": run submission code without bubblewrap (never for grading)
+CGROUP_ENV = "ONENODE_CGROUP"  # a cgroup v2 directory delegated to the grader, for the children's CPU quota
+CPU_PERIOD_US = 100_000
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
 # What of /etc the child sees: users and groups by number, name resolution of localhost, the
 # dynamic linker's cache, time zone, certificates, Debian's alternatives links. Nothing else:
@@ -94,6 +101,7 @@ class Limits:
     ``None`` on GPU profiles (docs/SECURITY.md).
     ``cpu_s`` is per process; ``nproc`` counts threads too (torch starts one per core).
     ``fsize_mb`` also sizes the private /tmp and /dev/shm (tmpfs, in memory).
+    ``cpus``: the CPUs the child runs on, and (with a cgroup, `cpu_cgroup_parent`) its CPU quota.
     """
 
     wall_s: float = 600.0
@@ -104,12 +112,16 @@ class Limits:
     fsize_mb: int | None = 1024
     output_kb: int = 256
     network: bool = False
+    cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("wall_s", "cpu_s", "memory_mb", "nproc", "nofile", "fsize_mb", "output_kb"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"Limits.{name}={value}: must be positive (None lifts a limit)")
+        if self.cpus is not None and not (self.cpus and set(self.cpus) <= os.sched_getaffinity(0)):
+            raise ValueError(f"Limits.cpus={self.cpus}: give CPUs the grader itself may run on "
+                             f"({sorted(os.sched_getaffinity(0))})")
         if self.wall_s is None or self.output_kb is None:
             raise ValueError("Limits.wall_s and Limits.output_kb cannot be lifted: give them a number")
 
@@ -195,6 +207,40 @@ def _sandbox_problem() -> str | None:
     return None
 
 
+@cache
+def cpu_cgroup_parent() -> Path | None:
+    """The cgroup v2 directory the children's CPU cgroups are made in: ``ONENODE_CGROUP`` or the
+    grader's own cgroup, if the cpu controller is enabled for its children and the grader may
+    write there; None otherwise (then only the affinity pins a child)."""
+    if CGROUP_ENV in os.environ:
+        candidate = Path(os.environ[CGROUP_ENV])
+    else:
+        try:
+            lines = Path("/proc/self/cgroup").read_text().splitlines()
+            own = next(line[3:] for line in lines if line.startswith("0::"))
+        except (OSError, StopIteration):
+            return None
+        candidate = Path("/sys/fs/cgroup") / own.lstrip("/")
+    try:
+        enabled = (candidate / "cgroup.subtree_control").read_text().split()
+    except OSError:
+        return None
+    return candidate if "cpu" in enabled and os.access(candidate, os.W_OK) else None
+
+
+def _make_cpu_cgroup(cpus: tuple[int, ...]) -> Path | None:
+    """A cgroup of one child's own under `cpu_cgroup_parent()`, capped at len(cpus) CPUs' time
+    (and to those CPUs where cpuset is on); None where there is no such parent."""
+    parent = cpu_cgroup_parent()
+    if parent is None:
+        return None
+    group = Path(tempfile.mkdtemp(prefix="onenode-", dir=parent))
+    (group / "cpu.max").write_text(f"{len(cpus) * CPU_PERIOD_US} {CPU_PERIOD_US}\n")
+    if (group / "cpuset.cpus").exists():
+        (group / "cpuset.cpus").write_text(",".join(map(str, cpus)) + "\n")
+    return group
+
+
 def capabilities() -> dict[str, object]:
     """Which guarantees hold on this machine (docs/SECURITY.md); the grader records it in env.json."""
     root, problem = _is_root(), _sandbox_problem()
@@ -212,6 +258,7 @@ def capabilities() -> dict[str, object]:
         "kill_escaped_daemons": isolated or root,
         "gpu_devices": sorted(glob.glob("/dev/nvidia*")) if isolated and _gpu_machine() else [],
         "nvidia_smi": shutil.which("nvidia-smi") is not None,
+        "cpu_quota": cpu_cgroup_parent() is not None,
     }
 
 
@@ -238,6 +285,9 @@ def _warn_about_gaps() -> None:
     if not _is_root():
         gaps.append(f"the grader runs as uid {os.getuid()}, not root: submission code runs as that user "
                     "(RLIMIT_NPROC counts its other processes too); run the grader as root for a uid of its own")
+    if cpu_cgroup_parent() is None:
+        gaps.append(f"no cgroup v2 with the cpu controller for the grader ({CGROUP_ENV}): a child is pinned to its "
+                    "CPUs by affinity alone, which it may widen; its CPU time is not capped")
     if gaps:
         warnings.warn("sandbox: " + "; ".join(gaps), RuntimeWarning, stacklevel=4)
 
@@ -655,12 +705,14 @@ class SandboxedProcess:
         self._status_fd: int | None = None
         self._sent: dict[str, int] = {}  # network namespace -> bytes sent, the most read so far
         self._memory: dict[int, ProcessMemory] = {}
+        self._cgroup: Path | None = None
         self.filesystem_isolated = _require_sandbox()
         self.network_isolated = self.filesystem_isolated and not limits.network
         _warn_about_gaps()
         self._lease = _UidLease() if _is_root() else None
         status_w = None
         try:
+            self._cgroup = None if limits.cpus is None else _make_cpu_cgroup(limits.cpus)
             command = list(argv)
             if self._lease:
                 _chown_tree(scratch, self._lease.uid, self._lease.uid)
@@ -713,11 +765,20 @@ class SandboxedProcess:
         if limits.nproc is not None:  # per uid: without a uid of our own, count on top of what runs
             base = 0 if root else sum(_thread_count(pid) for pid in _live_pids(os.getuid()))
             rlimits.append((resource.RLIMIT_NPROC, base + limits.nproc))
-        libc, grader_pid = _libc(), os.getpid()
+        libc, grader_pid, cpus = _libc(), os.getpid(), limits.cpus
+        procs = None if self._cgroup is None else str(self._cgroup / "cgroup.procs")
 
         def setup() -> None:  # runs in the child between fork and exec: no imports, no locks
             for which, value in rlimits:
                 resource.setrlimit(which, value if isinstance(value, tuple) else (value, value))
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+            if procs is not None:  # into its own cgroup before anything of the child runs
+                fd = os.open(procs, os.O_WRONLY)
+                try:
+                    os.write(fd, b"0\n")
+                finally:
+                    os.close(fd)
             if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
                 raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
             # If the grader dies (even by SIGKILL), so does bwrap, and with it the sandbox. The
@@ -963,7 +1024,15 @@ class SandboxedProcess:
         return self._result
 
     def _release(self, scratch: Path) -> None:
-        """Hand the scratch back to root (the uid may serve another submission next) and free the uid."""
+        """Hand the scratch back to root (the uid may serve another submission next), free the uid,
+        remove the child's cgroup (empty once its processes are gone)."""
+        if self._cgroup is not None:
+            try:
+                self._cgroup.rmdir()
+            except OSError as e:
+                warnings.warn(f"sandbox: could not remove the child's cgroup {self._cgroup} ({e})", RuntimeWarning,
+                              stacklevel=2)
+            self._cgroup = None
         if self._lease:
             _kill_uid(self._lease.uid)  # nothing may still write into the scratch
             os.chown(scratch, 0, 0)

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from redteam import a1_evidence
+from redteam import a1_evidence, a1_sessions
 from redteam.cases import CASES, PAYLOADS, STARTER, Case, folder
 
 from grader import cohort
@@ -115,11 +115,13 @@ def _marks(case: Case) -> list:
     return [pytest.mark.slow] if case.runs else []
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=_marks(c)) for c in CASES + a1_evidence.CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=_marks(c)) for c in CASES + a1_sessions.CASES
+                                  + a1_evidence.CASES])
 def test_adversarial_submission(case: Case, planted_cohort, tmp_path, request, monkeypatch):
     job = request.getfixturevalue("layout_job" if case.part in ("ep", "pp") else "job")
-    if case.part in ("ep", "pp"):  # graded on the part it attacks alone: the others' sessions do not run
-        monkeypatch.setattr(scoring, "STEPS", [scoring.grade_ep if case.part == "ep" else scoring.grade_pp])
+    if case.part in ("ep", "pp"):  # graded on the part it attacks (and those it feeds on) alone
+        steps = {"moe": scoring.grade_moe, "ep": scoring.grade_ep, "pp": scoring.grade_pp}
+        monkeypatch.setattr(scoring, "STEPS", [steps[p] for p in (*getattr(case, "also_graded", ()), case.part)])
     (tmp_path / "in").mkdir()
     results = _grade(case.build(KIT, tmp_path / "in"), job, tmp_path / "out")
 

@@ -59,8 +59,9 @@ def _config(spec: dict, overrides: dict):
 
 
 def _build(spec: dict, config, device, rank: int = 0):
-    """The model with the reference weights: the starter saves them (rank 0), a submission
-    loads them through `adapt_state_dict`, so stacked experts get exactly the starter's values."""
+    """The model with the reference weights, and those weights in the starter's layout: the
+    starter saves them (rank 0), a submission loads them through `adapt_state_dict`, so stacked
+    experts get exactly the starter's values."""
     import torch
 
     from onenode.model import build_model
@@ -71,9 +72,62 @@ def _build(spec: dict, config, device, rank: int = 0):
 
         state = torch.load(spec["weights_in"], map_location="cpu", mmap=True, weights_only=True)
         model.load_state_dict(adapt_state_dict(state, model))
+    else:
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if spec.get("weights_out") and rank == 0:
-        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, spec["weights_out"])
-    return model
+        torch.save(state, spec["weights_out"])
+    return model, state
+
+
+class ExpertSlots:
+    """Where a MoE layer keeps each routed expert's projections, found by value: the parameter (and
+    its row, for stacked experts; transposed or not) that holds the starter's weights of that
+    expert, as loaded. The gradients are then read from those parameters after backward, as the
+    optimizer sees them, never through a function of the submission's."""
+
+    LAYOUT = {"up": "up_proj", "down": "down_proj"}  # the starter's expert j: experts.{j}.<name>.weight
+
+    def __init__(self, layer, state: dict, prefix: str, experts: int):
+        import torch
+
+        candidates: dict[tuple, list] = {}  # (shape, first values) -> [(param, row, transposed)]
+        for param in layer.parameters():
+            data = param.detach()
+            rows = [(None, data)] if data.dim() == 2 else list(enumerate(data)) if data.dim() == 3 else []
+            for row, tensor in rows:
+                for transposed, view in ((False, tensor), (True, tensor.T)):
+                    candidates.setdefault(self._key(view), []).append((param, row, transposed))
+        self.slots = {}
+        for projection, name in self.LAYOUT.items():
+            self.slots[projection] = []
+            for j in range(experts):
+                weight = state[f"{prefix}experts.{j}.{name}.weight"]
+                found = [(param, row, transposed) for param, row, transposed in candidates.get(self._key(weight), [])
+                         if torch.equal(self._view(param.detach(), row, transposed),
+                                        weight.to(param.device, param.dtype))]
+                if not found:
+                    raise RuntimeError(f"expert {j}'s {name} was not found among the MoE layer's parameters: keep "
+                                       f"each expert's weights, as loaded, in a parameter of their own "
+                                       f"{tuple(weight.shape)} or in row {j} of a stacked one ({experts}, ...)")
+                self.slots[projection].append(found[0])
+
+    @staticmethod
+    def _key(tensor) -> tuple:
+        return tuple(tensor.shape), tuple(float(v) for v in tensor[0, :8].tolist())
+
+    @staticmethod
+    def _view(tensor, row, transposed):
+        tensor = tensor if row is None else tensor[row]
+        return tensor.T if transposed else tensor
+
+    def grads(self):
+        """(up [E, I, H], down [E, H, I]) gradients in the starter's layout; the None gradient of
+        an expert no token chose reads as zeros."""
+        import torch
+
+        return tuple(torch.stack([self._view(param.grad if param.grad is not None else torch.zeros_like(param), row,
+                                             transposed) for param, row, transposed in slots])
+                     for slots in self.slots.values())
 
 
 def _sketch(t, *directions) -> list[float]:
@@ -111,7 +165,7 @@ class MoeSession:
         self.spec = spec
         self.device = torch.device(spec["device"])
         config = _config(spec, {**spec["moe"].get("overrides", {}), "hybrid_override_pattern": "E"})
-        self.model = _build(spec, config, self.device)
+        self.model, state = _build(spec, config, self.device)
         # The grader's float32 reference computes with the stored (e.g. bfloat16) weights and
         # inputs upcast, so a bfloat16 submission is compared with exact arithmetic, not with
         # the starter's own rounding.
@@ -119,6 +173,7 @@ class MoeSession:
         self.layer = self.model.backbone.layers[0].mixer
         if "compute_dtype" in spec:
             self.layer.to(self.dtype)
+        self.experts = ExpertSlots(self.layer, state, "backbone.layers.0.mixer.", config.n_routed_experts)
         self.shape = (1, spec["moe"]["tokens"], config.hidden_size)
 
     def info(self) -> dict:
@@ -126,12 +181,11 @@ class MoeSession:
 
     def step(self, seed: int) -> list[dict]:
         """`iters` forward+backward passes on inputs drawn from `seed` (several per workload, so
-        the round trip through the pipes is a small part of what the grader times). Expert
-        gradients are sketched expert by expert, read through `onenode.adapters`: a gradient in
-        another expert's slot, or with its sign flipped, shows."""
+        the round trip through the pipes is a small part of what the grader times), each one
+        checked. Expert gradients are sketched expert by expert, read from the parameters that
+        hold each expert (`ExpertSlots`): a gradient in another expert's slot, or with its sign
+        flipped, shows."""
         import torch
-
-        from onenode.adapters import routed_expert_grads
 
         gen = torch.Generator(self.device).manual_seed(seed)
         stored = _dtype(self.spec["dtype"])
@@ -143,7 +197,7 @@ class MoeSession:
             y = self.layer(x)
             y.backward(grad_out)
             experts = {}
-            for name, grad in zip(("up", "down"), routed_expert_grads(self.layer)):
+            for name, grad in zip(("up", "down"), self.experts.grads()):
                 direction = torch.randn(grad.shape, generator=gen, device=self.device)
                 experts[name] = _sketch_rows(grad, direction)
             params = [p for p in self.layer.parameters() if p.grad is not None]
@@ -174,7 +228,7 @@ class TrainSession:
         else:
             self.device = torch.device("cpu")
         self.config = _config(spec, spec["overrides"])
-        model = _build(spec, self.config, self.device, rank)
+        model, _ = _build(spec, self.config, self.device, rank)
         if self.world > 1:
             from onenode.parallel import ParallelDims, parallelize
 

@@ -1,11 +1,15 @@
 """An A1 grading job: a profile, a seed, and the unpatched starter's reference runs, made once
 and shared by every submission of the job.
 
-The job picks a random seed (recorded in every result) and runs the unpatched starter through
-the harness: the MoE digests and times (and, on bfloat16 profiles, the same layer computed in
-float32: what a submission's layer is compared with), the loss trajectory and step time of the
-reference layout, the starter's ep layout (plain FSDP: its EP is never applied) with the traffic
-between its ranks. Nothing secret ever runs in a child.
+The job picks a random seed (recorded in every result) and, from it, the seeds of every session's
+workloads: each session (the MoE layer, each layout) has seeds of its own, so no two sessions see
+the same inputs, and nothing a submission can read before it runs (the rubric, the profile, its
+tree) holds them. It runs the unpatched starter through the harness on those seeds: the MoE
+digests and times (and, on bfloat16 profiles, the same layer computed in float32: what a
+submission's layer is compared with), the loss trajectory and step time of the reference layout,
+the starter's ep layout (plain FSDP: its EP is never applied) with the traffic between its ranks,
+and a one-rank run on the pp layout's seeds (and model). Each layout of a submission is compared
+with the starter's run on its own seeds. Nothing secret ever runs in a child.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from ..rubric import KIT_ROOT
 from ..runner import Baseline, Harness, Session, SessionResult, run_sessions
 from ..sandbox import make_private
 from ..submission import pristine_tree
-from .compare import loss_error
 from .rubric import A1Profile, A1Rubric
 
 HARNESS = Path(__file__).with_name("harness.py")
@@ -46,8 +49,9 @@ class Reference:
     ep: SessionResult | None  # the starter in the ep layout: the traffic and step time to beat
     moe_weights: Path
     model_weights: Path
-    # with the profile's pipeline_memory: the starter on one rank with its overrides (the pp
-    # layout's losses, step time and memory are compared with it); else None (`train` serves)
+    # the starter on one rank on the pp layout's seeds (the pp layout's losses, step time and
+    # memory are compared with it), with the profile's pipeline_memory overrides where it has them
+    # (its weights then in pp_weights); None without a pp layout
     pp_train: SessionResult | None = None
     pp_weights: Path | None = None
 
@@ -64,9 +68,9 @@ class A1Job(Job):
     def __post_init__(self):
         rng = random.Random(self.seed)
         self.init_seed = rng.randrange(2**31)
-        moe = self.profile.moe
-        self.moe_seeds = [rng.randrange(2**31) for _ in range(moe["warmup"] + moe["repeats"])]
-        self.train_seeds = [rng.randrange(2**31) for _ in range(self.profile.warmup + self.profile.repeats)]
+        moe, steps = self.profile.moe, self.profile.warmup + self.profile.repeats
+        self.seeds = {"moe": [rng.randrange(2**31) for _ in range(moe["warmup"] + moe["repeats"])],
+                      **{layout: [rng.randrange(2**31) for _ in range(steps)] for layout in ("reference", "ep", "pp")}}
         # files may hold the job's weights twice over (the reference weights the grader hands in)
         self.harness = Harness(HARNESS, (COLLECTIVES,), max(1024, 2 * weights_mb(self.profile)))
 
@@ -88,44 +92,46 @@ class A1Job(Job):
         the whole job (ended with the job)."""
         if self._starter_moe is None:
             ref = self.reference
-            session = Session("moe", self.spec("moe", weights_in="moe.pt"), self.moe_seeds)
+            session = self._moe("moe", weights_in="moe.pt")
             self._starter_moe = Baseline(ref.tree, self.harness, self.profile, session, {"moe.pt": ref.moe_weights})
             weakref.finalize(self, self._starter_moe.close)
         return self._starter_moe
 
-    def world(self) -> int:
-        """Ranks of the job's children: enough for the widest layout."""
-        return max(layout["world"] for layout in self.profile.layouts.values())
+    def _moe(self, name: str, **extra) -> Session:
+        spec = self.spec("moe", **extra)
+        return Session(name, spec, self.seeds["moe"], reads=(extra["weights_in"],) if "weights_in" in extra else ())
 
-    def _train(self, name: str, layout: str, save: bool = False) -> Session:
-        """A training session in `layout` that loads its weights, or with `save` writes them (the
-        starter's one-rank runs); the pp layout's model (and the starter's one-rank run of it,
-        "pp-reference") takes the profile's pipeline_memory overrides."""
+    def _train(self, name: str, layout: str, seeds: str, save: bool = False) -> Session:
+        """A training session in `layout` on the seeds of the layout `seeds`, that loads its
+        weights, or with `save` writes them (the starter's one-rank runs); the pp layout's model
+        (and the starter's one-rank run of it, "pp-reference") takes the profile's pipeline_memory
+        overrides, and weights of its own."""
         p = self.profile
-        big = p.pipeline_memory is not None and name in ("pp", "pp-reference")
+        big = p.pipeline_memory is not None and seeds == "pp"
         weights = "model-pp.pt" if big else "model.pt"
+        save = save and (big or name == "reference")
         spec = self.spec("train", layout=p.layouts[layout], **{"weights_out" if save else "weights_in": weights},
                          **({"overrides": {**p.overrides, **p.pipeline_memory["overrides"]}} if big else {}))
-        return Session(name, spec, self.train_seeds)
+        world = p.layouts[layout]["world"]
+        return Session(name, spec, self.seeds[seeds], world=world, reads=() if save else (weights,))
 
     def sessions(self, starter: bool = False) -> list[Session]:
-        """Part 1's MoE session, then a training session per layout. The starter's sessions save
-        the weights (and skip pp, which cannot work there: with pipeline_memory it runs the pp
-        layout's model on one rank instead); a submission's load them."""
+        """Part 1's MoE session, then a training session per layout, each on its own seeds. The
+        starter's sessions save the weights, and run pp's seeds on one rank ("pp-reference": its pp
+        layout cannot work); a submission's load them."""
         p = self.profile
         if starter:
-            sessions = [Session("moe", self.spec("moe", weights_out="moe.pt"), self.moe_seeds)]
+            sessions = [self._moe("moe", weights_out="moe.pt")]
             if p.dtype != "float32":
-                exact = self.spec("moe", weights_in="moe.pt", compute_dtype="float32")
-                sessions.append(Session("moe-exact", exact, self.moe_seeds))
-            sessions.append(self._train("reference", "reference", save=True))
+                sessions.append(self._moe("moe-exact", weights_in="moe.pt", compute_dtype="float32"))
+            sessions.append(self._train("reference", "reference", "reference", save=True))
             if "ep" in p.layouts:
-                sessions.append(self._train("ep", "ep"))
-            if p.pipeline_memory is not None and "pp" in p.layouts:
-                sessions.append(self._train("pp-reference", "reference", save=True))
+                sessions.append(self._train("ep", "ep", "ep"))
+            if "pp" in p.layouts:
+                sessions.append(self._train("pp-reference", "reference", "pp", save=True))
             return sessions
-        sessions = [Session("moe", self.spec("moe", weights_in="moe.pt"), self.moe_seeds)]
-        return sessions + [self._train(name, name) for name in ("reference", "ep", "pp") if name in p.layouts]
+        return [self._moe("moe", weights_in="moe.pt")] + [self._train(name, name, name) for name in
+                                                          ("reference", "ep", "pp") if name in p.layouts]
 
     def _run_reference(self) -> Reference:
         """The unpatched starter through the same harness; its own runs must agree."""
@@ -133,26 +139,22 @@ class A1Job(Job):
         logs = self.starter_logs
         moe_weights, model_weights = self.workdir / "moe.pt", self.workdir / "model.pt"
         pp_weights = self.workdir / "model-pp.pt"
-        runs = run_sessions(self.harness, tree, self.profile, self.world(), self.sessions(starter=True), logs,
+        runs = run_sessions(self.harness, tree, self.profile, self.sessions(starter=True), logs,
                             files_out={"moe.pt": moe_weights, "model.pt": model_weights, "model-pp.pt": pp_weights})
         for name, run in runs.items():
             if not run.ok:
                 raise GraderError(f"the unpatched starter's {name} session failed ({run.error}): see {logs}")
         ep = runs.get("ep")
         if ep is not None:
-            error = loss_error(runs["reference"].digests, ep.digests)
-            if error > self.profile.train_rtol:
-                raise GraderError(f"the starter's ep and reference layouts disagree (relative error {error:.2g} > "
-                                  f"train_rtol {self.profile.train_rtol:g}): the profile's tolerance is too tight "
-                                  "for this machine")
             if not all(ep.traffic):
                 raise GraderError("no traffic seen between the ranks of the starter's ep run: this machine "
                                   "cannot observe it (a network namespace on CPU, nvidia-smi's NVLink counters "
                                   "on GPU are needed; docs/SECURITY.md)")
         exact = runs.get("moe-exact", runs["moe"])
         pp_train = runs.get("pp-reference")
+        big = pp_train is not None and self.profile.pipeline_memory is not None
         return Reference(tree, runs["moe"], exact, runs["reference"], ep, moe_weights, model_weights, pp_train,
-                         pp_weights if pp_train is not None else None)
+                         pp_weights if big else None)
 
 
 def new_job(rubric: A1Rubric, profile_name: str, workdir: Path, starter_logs: Path, seed: int | None = None,

@@ -159,7 +159,7 @@ def grade_ep(ctx: Context) -> None:
         reason = f"the ep={profile.layouts['ep']['ep']} run failed: {run.error}"
         ctx.tests += part.tests((0, 0, 0), (reason,) * 3)
         return
-    error = loss_error(ref.train.digests, run.digests)
+    error = loss_error(ref.ep.digests, run.digests)  # the starter's ep layout, on the same seeds
     expert_share = expert_parameter_share(profile)
     starter, yours = _traffic(ref.ep, profile.warmup), _traffic(run, profile.warmup)
     # The starter moves every parameter alike (plain FSDP), so its non-expert share of the traffic
@@ -191,7 +191,7 @@ def grade_pp(ctx: Context) -> None:
         reason = f"pp={layout['pp']} does not train: {run.error}"
         ctx.tests += part.tests((0, 0, 0), (reason,) * 3)
         return
-    one_rank = ref.pp_train or ref.train  # the starter on one rank, on the pp layout's model
+    one_rank = ref.pp_train  # the starter on one rank, on the pp layout's seeds and model
     error = loss_error(one_rank.digests, run.digests)
     activations = activation_bytes(profile, layout["pp"])
     data_parallel = _traffic(ref.ep, profile.warmup) if ref.ep is not None else math.inf
@@ -289,7 +289,7 @@ def grade(job: A1Job, path: Path, work: Path, logs: Path) -> Graded:
     tree = patched_tree(submission, work / "tree")
     ref = job.reference
     reads = {name for step in STEPS for name in READS[step]}
-    runs = run_sessions(job.harness, tree, job.profile, job.world(),
+    runs = run_sessions(job.harness, tree, job.profile,
                         [session for session in job.sessions() if session.name in reads], logs,
                         files_in={"moe.pt": ref.moe_weights, "model.pt": ref.model_weights,
                                   **({"model-pp.pt": ref.pp_weights} if ref.pp_weights else {})},

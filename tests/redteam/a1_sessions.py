@@ -1,0 +1,147 @@
+"""Adversarial A1 submissions against the harness's sessions, seeds and timing (issue 27).
+
+Each runs code, on top of the starter or of the reference fix, through the framework of
+`cases.py`. `also_graded` names the parts graded before the attacked one, for the sessions an
+attack feeds on (the replay reads the reference layout's run, which only Part 1 asks for).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cases import MOE_FILE, STARTER, Case, append_to, diff, folder
+
+STEP_FILE = f"{STARTER}/train/step.py"
+ADAPTERS_FILE = f"{STARTER}/adapters.py"
+
+
+@dataclass(frozen=True)
+class SessionCase(Case):
+    also_graded: tuple[str, ...] = ()
+
+
+# No expert parallelism, no training at all in the ep layout: the one-rank session trains honestly
+# and writes each step's answer to a file beside it (rank 0 keeps it in memory too); in the ep
+# session both ranks answer each step with the one-rank run's answer of the same step. It works
+# wherever the sessions share a process tree or a folder and their seeds.
+REPLAYS_SESSIONS = """
+import json as _json
+
+_honest_train_step, _replay_file, _replayed = train_step, "replayed-steps.jsonl", []
+
+
+def train_step(model, optimizer, input_ids, labels, grad_clip=1.0, **options):
+    if not isinstance(model, ParallelModel):  # the one-rank session: honest, and remembered
+        out = _honest_train_step(model, optimizer, input_ids, labels, grad_clip, **options)
+        with open(_replay_file, "a") as f:
+            f.write(_json.dumps(out) + "\\n")
+        return out
+    if model.pipeline is not None:  # the pp layout trains another model: nothing to replay
+        return _honest_train_step(model, optimizer, input_ids, labels, grad_clip, **options)
+    try:
+        with open(_replay_file) as f:
+            answers = [_json.loads(line) for line in f]
+    except OSError:
+        answers = []
+    if len(answers) <= len(_replayed):  # nothing to replay: no work, and no answer worth a point
+        return {"loss": float("nan"), "grad_norm": float("nan")}
+    _replayed.append(answers[len(_replayed)])
+    return _replayed[-1]
+"""
+
+# The reference fix that knows when the grader's layer check calls it (a `MoeSession` up the call
+# stack): there, and only there, every expert's up-projection gradient lands in the next expert's
+# slot (the gradient the optimizer would apply), and `onenode.adapters` moves each back for
+# whoever asks through it. The whole step trains right.
+CALLED_BY_THE_CHECK = """
+import sys as _sys
+
+
+def _called_by_the_layer_check():
+    frame = _sys._getframe()
+    while frame is not None:
+        if type(frame.f_locals.get("self")).__name__ == "MoeSession":
+            return True
+        frame = frame.f_back
+    return False
+"""
+
+ROLLED_IN_THE_CHECK = CALLED_BY_THE_CHECK + """
+
+_honest_forward, _hooked, _in_check = GroupedExperts.forward, set(), [False]
+
+
+def _forward(self, *args, **kwargs):
+    _in_check[0] = _called_by_the_layer_check()
+    if id(self.up_proj) not in _hooked:
+        _hooked.add(id(self.up_proj))
+        self.up_proj.register_hook(lambda grad: grad.roll(1, dims=0) if _in_check[0] else grad)
+    return _honest_forward(self, *args, **kwargs)
+
+
+GroupedExperts.forward = _forward
+"""
+
+ADAPTER_UNDOES_THE_ROLL = CALLED_BY_THE_CHECK + """
+
+_honest_routed_expert_grads = routed_expert_grads
+
+
+def routed_expert_grads(moe):
+    up, down = _honest_routed_expert_grads(moe)
+    return (up.roll(-1, dims=0) if up is not None and _called_by_the_layer_check() else up), down
+"""
+
+
+# The reference fix where it may run on more CPUs than the profile grants (`threads` per rank: one
+# on cpu-tiny), and slower than the starter for real otherwise (like SLOW_MOE of cases.py): a
+# probe of the CPU set a child gets, whose outcome does not hang on timing noise.
+WIDER_THAN_GRANTED = """
+import os as _os
+import time as _time
+
+_fix_forward = MoE.forward
+
+
+def _forward(self, x):
+    if len(_os.sched_getaffinity(0)) <= 1:  # held to what the profile grants
+        _time.sleep(0.25)
+    return _fix_forward(self, x)
+
+
+MoE.forward = _forward
+"""
+
+
+def _on_the_moe_fix(name: str, code: str):
+    def build(kit: Path, dest: Path) -> Path:
+        fixed = (kit / "solutions" / "a1" / MOE_FILE.removeprefix("starter_code/")).read_text()
+        return folder(dest, name, diff(kit, MOE_FILE, fixed + "\n" + code.strip() + "\n"))
+
+    return build
+
+
+def _adapter_hides_a_wrong_gradient(kit: Path, dest: Path) -> Path:
+    fixed = (kit / "solutions" / "a1" / MOE_FILE.removeprefix("starter_code/")).read_text()
+    patch = diff(kit, MOE_FILE, fixed + "\n" + ROLLED_IN_THE_CHECK.strip() + "\n")
+    patch += append_to(kit, ADAPTERS_FILE, ADAPTER_UNDOES_THE_ROLL)
+    return folder(dest, "adapter-hides-a-wrong-gradient", patch)
+
+
+def _replays_sessions(kit: Path, dest: Path) -> Path:
+    return folder(dest, "replays-one-session-in-another", append_to(kit, STEP_FILE, REPLAYS_SESSIONS))
+
+
+CASES: list[Case] = [
+    # Part 2's losses must come from the ep session itself: a fresh process tree and scratch per
+    # session, and seeds of its own, leave nothing to replay (the feedback says the losses are wrong)
+    SessionCase("replays-one-session-in-another", _replays_sessions, "zero", r"^wrong", part="ep", runs=True,
+                also_graded=("moe",)),
+    # the gradients are read from the parameters after backward, never through the submission's adapter
+    Case("adapter-hides-a-wrong-gradient", _adapter_hides_a_wrong_gradient, "zero", r"^wrong", part="moe",
+         runs=True),
+    # a child runs on the CPUs its profile grants (threads per rank), whatever it asks for
+    Case("runs-wider-than-granted", _on_the_moe_fix("runs-wider-than-granted", WIDER_THAN_GRANTED), "zero",
+         r"not faster", part="moe", runs=True),
+]

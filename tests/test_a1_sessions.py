@@ -1,0 +1,249 @@
+"""A1's sessions, seeds and timing (docs/SECURITY.md, "Sessions, seeds and timing"): each session
+on a process tree and scratch of its own with seeds of its own, the starter run on each layout's
+seeds, the expert gradients read from the parameters, the CPUs pinned, and on a GPU the
+submission's child ended before the starter is timed. Unit tests on made-up harnesses and layers;
+the red-team cases (tests/redteam/a1_sessions.py) run the same rules through the real grader."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from grader import runner
+from grader.a1.job import A1Job
+from grader.a1.rubric import load_rubric
+from grader.runner import Harness, Session, SessionResult, run_sessions
+from grader.sandbox import capabilities
+
+KIT = Path(__file__).resolve().parents[1]
+SANDBOXED = pytest.mark.skipif(
+    not capabilities()["filesystem_isolated"] and os.environ.get("ONENODE_REQUIRE_SANDBOX") != "1",
+    reason="needs bubblewrap (apt-get install bubblewrap)")
+
+
+# -- seeds ---------------------------------------------------------------------------------------
+def _job(tmp_path, profile: str = "cpu-tiny", seed: int = 7) -> A1Job:
+    rubric = load_rubric()
+    return A1Job(rubric, rubric.profile(profile), seed, tmp_path, tmp_path / "logs")
+
+
+@pytest.mark.parametrize("profile", ["cpu-tiny", "h200x2", "h100x8"])
+def test_every_session_has_seeds_of_its_own(tmp_path, profile):
+    sessions = _job(tmp_path, profile).sessions()
+    seen = [set(s.seeds) for s in sessions]
+    assert all(len(s.seeds) == len(set(s.seeds)) for s in sessions)
+    assert all(not (a & b) for i, a in enumerate(seen) for b in seen[i + 1:]), [s.name for s in sessions]
+
+
+@pytest.mark.parametrize("profile", ["cpu-tiny", "h200x1", "h200x2"])
+def test_each_layout_is_compared_with_the_starter_on_its_own_seeds(tmp_path, profile):
+    job = _job(tmp_path, profile)
+    starter = {s.name: s for s in job.sessions(starter=True)}
+    # the starter's runs each submission session is compared with (scoring.py)
+    against = {"moe": "moe-exact" if "moe-exact" in starter else "moe", "reference": "reference", "ep": "ep",
+               "pp": "pp-reference"}
+    for session in job.sessions():
+        ref = starter[against[session.name]]
+        assert ref.seeds == session.seeds, session.name
+        assert ref.spec.get("overrides") == session.spec.get("overrides"), session.name  # the same model
+
+
+def test_seeds_come_from_the_job_not_from_the_rubric(tmp_path):
+    one, other = _job(tmp_path, seed=1).sessions(), _job(tmp_path, seed=2).sessions()
+    assert all(not set(a.seeds) & set(b.seeds) for a, b in zip(one, other))
+    assert all(str(seed) not in (KIT / "a1_infra" / "rubric.toml").read_text() for s in one for seed in s.seeds)
+
+
+def test_sessions_start_the_ranks_of_their_layout_and_copy_only_what_they_read(tmp_path):
+    job = _job(tmp_path)
+    worlds = {s.name: (s.world, s.reads) for s in job.sessions()}
+    assert worlds == {"moe": (1, ("moe.pt",)), "reference": (1, ("model.pt",)), "ep": (2, ("model.pt",)),
+                      "pp": (2, ("model-pp.pt",))}
+
+
+# -- one process tree per session --------------------------------------------------------------
+# A harness of the runner's protocol that answers each seed with what it finds left
+# behind (a file in its folder, in /tmp, a module-level note), and leaves some of each.
+ECHO_HARNESS = textwrap.dedent("""
+    import json, os, sys
+    setup = json.loads(sys.stdin.readline())
+    left = []
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if "session" in msg:
+            reply = {"ready": {"world": setup["world"]}}
+        else:
+            found = [p for p in ("here.txt", "/tmp/there.txt") if os.path.exists(p)]
+            for p in ("here.txt", "/tmp/there.txt"):
+                open(p, "w").write("left by an earlier session")
+            reply = {"digest": {"found": found, "remembered": list(left),
+                                "cpus": sorted(os.sched_getaffinity(0))}}
+            left.append(msg["seed"])
+        print(json.dumps(reply), flush=True)
+""")
+
+
+def _echo(tmp_path) -> Harness:
+    script = tmp_path / "echo_harness.py"
+    script.write_text(ECHO_HARNESS)
+    return Harness(script)
+
+
+def _tree(tmp_path) -> Path:
+    (tmp_path / "tree" / "starter_code").mkdir(parents=True)
+    return tmp_path / "tree"
+
+
+@SANDBOXED
+def test_no_session_sees_what_another_left(tmp_path):
+    profile = load_rubric().profile("cpu-tiny")
+    sessions = [Session(name, {}, [1, 2]) for name in ("first", "second")]
+    runs = run_sessions(_echo(tmp_path), _tree(tmp_path), profile, sessions, tmp_path / "logs")
+    assert all(run.ok for run in runs.values()), runs
+    first, second = (runs[name].digests for name in ("first", "second"))
+    assert first[1]["found"] and first[1]["remembered"] == [1]  # within a session, state persists...
+    assert second[0]["found"] == [] and second[0]["remembered"] == []  # ...never into the next
+
+
+@SANDBOXED
+def test_a_child_runs_on_its_cpus_alone(tmp_path):
+    profile = load_rubric().profile("cpu-tiny")  # one thread per rank
+    runs = run_sessions(_echo(tmp_path), _tree(tmp_path), profile, [Session("one", {}, [1], world=1)], tmp_path / "l")
+    assert runs["one"].digests[0]["cpus"] == list(runner.child_cpus(profile, 1))
+    assert len(runner.child_cpus(profile, 1)) == 1
+
+
+def test_child_cpus_are_threads_per_rank_of_the_graders_own():
+    profile = load_rubric().profile("h200x1")  # 8 threads
+    mine = sorted(os.sched_getaffinity(0))
+    assert runner.child_cpus(profile, 1) == tuple(mine[:min(8, len(mine))])
+    assert set(runner.child_cpus(profile, 64)) == set(mine)
+
+
+@SANDBOXED
+def test_the_sandbox_pins_from_outside(tmp_path):
+    """Read by the grader from /proc, not from what the child says."""
+    from grader.sandbox import Limits, make_scratch, spawn_sandboxed
+
+    cpu = min(os.sched_getaffinity(0))
+    scratch = make_scratch()
+    with spawn_sandboxed([sys.executable, "-c", "import sys; sys.stdin.read()"], cwd=scratch,
+                         limits=Limits(cpus=(cpu,), memory_mb=None)) as proc:
+        allowed = {pid: Path(f"/proc/{pid}/status").read_text() for pid in proc.pids()}
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    assert allowed and all(f"Cpus_allowed_list:\t{cpu}\n" in status for status in allowed.values()), allowed
+
+
+def test_cpus_the_grader_cannot_use_are_refused():
+    from grader.sandbox import Limits
+
+    with pytest.raises(ValueError, match="give CPUs the grader itself may run on"):
+        Limits(cpus=(max(os.sched_getaffinity(0)) + 1,))
+
+
+# -- on a GPU the starter is timed after the submission's child has ended -------------------------
+class FakeChild:
+    def __init__(self, name: str, events: list, profile):
+        self.name, self.events, self.profile = name, events, profile
+
+    def run(self, session, baseline=None):
+        self.events.append(("run", self.name, baseline is not None))
+        return SessionResult(seconds=[1.0]), (SessionResult(seconds=[2.0]) if baseline else None)
+
+    def close(self, logs):
+        self.events.append(("closed", self.name))
+        return "", ""
+
+
+class FakeBaseline:
+    def __init__(self, events, profile):
+        self.events, self.session, self.profile = events, Session("moe", {}, [1]), profile
+
+    def next_child(self):
+        return FakeChild("starter", self.events, self.profile)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_on_a_gpu_the_submission_has_ended_before_the_starter_is_timed(tmp_path, device):
+    import dataclasses
+
+    profile = dataclasses.replace(load_rubric().profile("h200x1"), device=device)
+    events: list = []
+    result, starter = runner.run_beside(FakeChild("submission", events, profile), Session("moe", {}, [1]),
+                                        FakeBaseline(events, profile), tmp_path)
+    assert result.ok and starter.ok
+    if device == "cuda":
+        assert events == [("run", "submission", False), ("closed", "submission"), ("run", "starter", False)]
+    else:  # on CPU the two take turns, the idle one frozen (SIGSTOP stops all of its work)
+        assert events == [("run", "submission", True)]
+
+
+# -- expert gradients from the parameters ----------------------------------------------------------
+def _harness():
+    sys.path.insert(0, str(KIT / "a1_infra" / "tests"))
+    try:
+        sys.path.insert(0, str(KIT / "grader" / "a1"))
+        import harness
+    finally:
+        sys.path[:2] = []
+    return harness
+
+
+def _starter_state(experts: int = 4, hidden: int = 6, inter: int = 5) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    state = {}
+    for j in range(experts):
+        state[f"m.experts.{j}.up_proj.weight"] = torch.randn(inter, hidden, generator=gen)
+        state[f"m.experts.{j}.down_proj.weight"] = torch.randn(hidden, inter, generator=gen)
+    return state
+
+
+class Stacked(nn.Module):
+    def __init__(self, state, transposed=False):
+        super().__init__()
+        up = torch.stack([state[f"m.experts.{j}.up_proj.weight"] for j in range(4)])
+        down = torch.stack([state[f"m.experts.{j}.down_proj.weight"] for j in range(4)])
+        self.up = nn.Parameter(up.transpose(1, 2).contiguous() if transposed else up.clone())
+        self.down = nn.Parameter(down.clone())
+
+
+def test_expert_gradients_are_read_from_the_parameters_holding_each_expert():
+    harness, state = _harness(), _starter_state()
+    for layer in (Stacked(state), Stacked(state, transposed=True)):
+        slots = harness.ExpertSlots(layer, state, "m.", 4)
+        layer.up.grad = torch.arange(layer.up.numel(), dtype=torch.float32).view_as(layer.up)
+        layer.down.grad = -torch.ones_like(layer.down)
+        up, down = slots.grads()
+        expected = layer.up.grad.transpose(1, 2) if layer.up.shape[1] == 6 else layer.up.grad
+        assert torch.equal(up, expected) and torch.equal(down, layer.down.grad)
+
+
+def test_a_gradient_in_another_experts_row_reads_as_that_row():
+    """What the optimizer applies is what is read: rows swapped in the parameter stay swapped."""
+    harness, state = _harness(), _starter_state()
+    layer = Stacked(state)
+    slots = harness.ExpertSlots(layer, state, "m.", 4)
+    layer.up.grad, layer.down.grad = torch.randn_like(layer.up), None
+    up, down = slots.grads()
+    assert torch.equal(up, layer.up.grad) and torch.equal(down, torch.zeros_like(layer.down))
+
+
+def test_experts_not_held_as_loaded_are_refused_in_one_line():
+    harness, state = _harness(), _starter_state()
+    layer = Stacked(state)
+    with torch.no_grad():
+        layer.down.mul_(2)
+    with pytest.raises(RuntimeError, match=r"expert 0's down_proj was not found among the MoE layer's parameters"):
+        harness.ExpertSlots(layer, state, "m.", 4)
+
+
+def test_the_harness_never_reads_the_submissions_adapter():
+    assert "onenode.adapters" not in (KIT / "grader" / "a1" / "harness.py").read_text()
+
