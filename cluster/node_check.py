@@ -37,6 +37,7 @@ if str(KIT_ROOT) not in sys.path:
     sys.path.insert(0, str(KIT_ROOT))
 
 CPU_PROFILE = "cpu-tiny"
+MARKER = ".node-check"  # in --out: a folder the check may replace
 # The bench each tree runs: the handout's one-GPU command (on a GPU), the tiny preset (on a CPU)
 BENCH_ARGS = {"cuda": ["--preset", "a1-1gpu", "--seq-len", "4096", "--micro-batch", "1", "--steps", "3",
                        "--warmup", "1"],
@@ -347,10 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-free-gb", type=int, default=int(os.environ.get("MIN_FREE_GB", 100)),
                         help="free disk the GPU health check asks for in --out and $TMPDIR")
     args = parser.parse_args(argv)
-    names, problem = gpu_names()
     out = Path(args.out).resolve()
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        parser.error(f"--out {out} holds files of its own: pass a new folder (each run replaces the one before)")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    (out / MARKER).write_text("logs of cluster/node_check.py; the next run replaces this folder\n")
+    names, problem = gpu_names()
     if problem is not None:
         print(format_outcome(Outcome("machine", "FAIL", problem,
                                      "check the NVIDIA driver (nvidia-smi), or drain the node and reboot it")))

@@ -66,6 +66,11 @@ def test_main_says_cpu_only_and_exits_by_the_outcomes(tmp_path, monkeypatch, cap
     monkeypatch.setattr(node_check, "gpu_names", lambda: ([], "nvidia-smi cannot talk to the driver (x)"))
     assert node_check.main(["--out", str(tmp_path / "out")]) == 1
     assert "fix: check the NVIDIA driver" in capsys.readouterr().out
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "cohort.csv").write_text("")
+    with pytest.raises(SystemExit):  # a folder of other files is never replaced
+        node_check.main(["--out", str(tmp_path / "results")])
+    assert "holds files of its own" in capsys.readouterr().err and (tmp_path / "results" / "cohort.csv").is_file()
 
 
 def _grade_node_pick(tmp_path: Path, names: list[str]) -> str:
