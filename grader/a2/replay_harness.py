@@ -141,7 +141,9 @@ def movement_allowance(allowances: dict, lrs: list[float], bias_rate: float):
 
     def allowed(name: str, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
         size = torch.maximum(start.abs(), end.abs()).double()
-        rounding = (steps + 2) * torch.finfo(end.dtype).eps * size if end.is_floating_point() else 0 * size
+        # each stored end rounded to its dtype, each step's float32 update rounded once
+        rounding = (2 * torch.finfo(end.dtype).eps + steps * torch.finfo(torch.float32).eps) * size \
+            if end.is_floating_point() else 0 * size
         if name in allowances:
             unit, decay = allowances[name]
             return ROUNDING * lr_sum * (unit + decay * size) + rounding
