@@ -38,6 +38,7 @@ if str(KIT_ROOT) not in sys.path:
 
 CPU_PROFILE = "cpu-tiny"
 MARKER = ".node-check"  # in --out: a folder the check may replace
+BENCH_TIMEOUT_S = 600  # a few steps: a bench still running then hangs (as the starter's once did on one H200)
 # The bench each tree runs: the handout's one-GPU command (on a GPU), the tiny preset (on a CPU)
 BENCH_ARGS = {"cuda": ["--preset", "a1-1gpu", "--seq-len", "4096", "--micro-batch", "1", "--steps", "3",
                        "--warmup", "1"],
@@ -67,7 +68,7 @@ class Node:
     profile: str | None
     out: Path
     min_free_gb: int = 100
-    timeout_s: int = 1800  # any one command of an item
+    timeout_s: int = 1800  # any other command of an item
     figures: dict = field(default_factory=dict)  # what items measured, for the items after them
 
     @property
@@ -136,18 +137,25 @@ def check_machine(node: Node) -> str:
 
 
 # -- the items -----------------------------------------------------------------------------------
-def _run(node: Node, name: str, argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+def _run(node: Node, name: str, argv: list[str], env: dict | None = None,
+         timeout_s: int | None = None) -> subprocess.CompletedProcess:
     """A command from the kit root, its output in OUT/<name>.log; a timeout is a failure."""
     log = node.out / f"{name}.log"
+    timeout_s = timeout_s or node.timeout_s
     try:
         done = subprocess.run(argv, cwd=KIT_ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                              timeout=node.timeout_s)
+                              timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
-        log.write_text(f"$ {' '.join(argv)}\n{e.stdout or ''}{e.stderr or ''}")
-        raise Failed(f"did not finish in {node.timeout_s} s: {' '.join(argv[1:])}",
+        log.write_text(f"$ {' '.join(argv)}\n{_decoded(e.stdout)}{_decoded(e.stderr)}")
+        raise Failed(f"did not finish in {timeout_s} s: {' '.join(argv[1:])}",
                      f"run it by hand to see where it stops (its output so far: {log})") from None
     log.write_text(f"$ {' '.join(argv)}\n{done.stdout}{done.stderr}")
     return done
+
+
+def _decoded(output) -> str:
+    """What a timed-out command printed (bytes, whatever `text` asked for)."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def _last_line(text: str) -> str:
@@ -199,7 +207,7 @@ def _bench(node: Node, which: str) -> dict:
     record = node.out / f"bench-{which}.json"
     done = _run(node, f"bench-{which}", [sys.executable, "-m", "onenode.cli", "bench", *BENCH_ARGS[node.device],
                                          "--out", str(record), "--quiet"],
-                {"PYTHONPATH": str(tree / "starter_code")})
+                {"PYTHONPATH": str(tree / "starter_code")}, BENCH_TIMEOUT_S)
     if done.returncode != 0 or not record.is_file():
         raise Failed(f"onenode bench failed on the {which}: {_last_line(done.stderr + done.stdout)}",
                      f"see {node.out / f'bench-{which}.log'}; the kit's own tests (`make test-fast`) say more")

@@ -131,6 +131,14 @@ def test_health_check_failure_is_split_into_what_and_fix(tmp_path, monkeypatch):
     assert (e.value.detail, e.value.fix) == ("nvidia-smi not found", "no NVIDIA driver on this node")
 
 
+def test_a_command_that_hangs_fails_with_its_log(tmp_path):
+    with pytest.raises(Failed) as e:
+        node_check._run(Node([], "cpu-tiny", tmp_path, timeout_s=1), "hang",
+                        ["bash", "-c", "echo started; sleep 30"])
+    assert e.value.detail == "did not finish in 1 s: -c echo started; sleep 30"
+    assert "started" in (tmp_path / "hang.log").read_text() and str(tmp_path / "hang.log") in e.value.fix
+
+
 @pytest.mark.slow  # the bench of the patched tree and a short A2 run replayed: about a minute on 2 idle cores
 def test_the_cpu_items_pass_on_this_machine(tmp_path):
     """The real items a CPU machine runs, but the A1 grade (the demo and calibration tests grade
