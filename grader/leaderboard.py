@@ -181,7 +181,9 @@ _SORT_JS = (
     'if(typeof x!==typeof y)return typeof x==="number"?-1:1;return (x<y?-1:1)*(asc?1:-1)})'
     '.forEach(function(tr){body.appendChild(tr)})})});'
 )
-_NOTE = ('Click a column header to sort. A2 runs marked "no" under verified failed the budget audit and earn no '
+_NOTE = ('Click a column header to sort. Each grading profile has its own table: its points and its machine\'s '
+         'speeds are not comparable with another\'s. Beside a whole step\'s tokens/s and MFU stands the unpatched '
+         'starter\'s in the same job. A2 runs marked "no" under verified failed the budget audit and earn no '
          'benchmark points.')
 
 
