@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # CPU machines: torch 2.13.0 (a CPU wheel where one is at hand). On a GPU node, install your
 # CUDA build of torch first and run `make TORCH_SPEC=torch ...`, or use an existing venv.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= hf,data,hub,eval,course,dev
+EXTRAS ?= hf,data,hub,eval,course,dev,megatron
 
 CACHE := $(CURDIR)/.cache
 export HF_HOME := $(CACHE)/hf

@@ -8,6 +8,8 @@ three passes so a tokenizer can be trained on exactly the curated training text:
    its content hash (deterministic: the same text always lands in the same split);
 2. load or train the tokenizer;
 3. tokenize into shards and write `manifest.json`.
+`format: megatron` (or `--format megatron`) writes each shard as Megatron's indexed dataset
+through megatron-core (`onenode.data.megatron`) instead of the kit's own index.
 The curated text of pass 1 lives in OUT/text/ until the end; `keep_text: true` keeps it there.
 """
 
@@ -28,11 +30,13 @@ from tqdm.auto import tqdm
 
 from onenode.data.corpus import FetchError
 from onenode.data.curation import build_filters, doc_hash
+from onenode.data.megatron import MegatronWriter, indexed_dataset, megatron_dtype
 from onenode.data.shards import MANIFEST, SPLITS, ShardWriter, dtype_for
 from onenode.data.sources import SourceError, iter_source
 from onenode.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 
-CONFIG_KEYS = {"sources", "curation", "tokenizer", "val_fraction", "dtype", "keep_text"}
+CONFIG_KEYS = {"sources", "curation", "tokenizer", "val_fraction", "dtype", "keep_text", "format"}
+FORMATS = ("onenode", "megatron")
 ENCODE_BATCH = 256
 
 
@@ -46,6 +50,8 @@ def load_config(config: str | Path | dict) -> dict:
     unknown = set(config) - CONFIG_KEYS
     if unknown:
         raise ValueError(f"unknown data config key(s) {sorted(unknown)}: expected {sorted(CONFIG_KEYS)}")
+    if config.get("format", "onenode") not in FORMATS:
+        raise ValueError(f"format {config['format']!r} is unknown: choose from {FORMATS}")
     if not config.get("sources"):
         raise ValueError("the data config names no `sources:`")
     sources = {}
@@ -54,7 +60,7 @@ def load_config(config: str | Path | dict) -> dict:
         if float(spec.get("weight", 1.0)) < 0:
             raise ValueError(f"source {name!r}: weight must be >= 0")
         sources[name] = spec
-    return {"tokenizer": "gpt2", "val_fraction": 0.01, "curation": {}, "keep_text": False,
+    return {"tokenizer": "gpt2", "val_fraction": 0.01, "curation": {}, "keep_text": False, "format": "onenode",
             **config, "sources": sources}
 
 
@@ -114,6 +120,9 @@ def build(config: str | Path | dict, out: str | Path, command: str | None = None
           log=print) -> dict:
     """Build the data folder `out` from a data config; returns the manifest."""
     config, out = load_config(config), Path(out)
+    megatron = config["format"] == "megatron"
+    if megatron:
+        indexed_dataset()  # megatron-core missing: say so before curating anything
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # a folder is usable only once its build finished
     text_dir = out / "text"
@@ -135,12 +144,15 @@ def build(config: str | Path | dict, out: str | Path, command: str | None = None
         train_files = [text_dir / f"{name}.train.jsonl" for name in sources]
         tokenizer = _resolve_tokenizer(config["tokenizer"], out, train_files, log)
     dtype = np.dtype(config.get("dtype") or dtype_for(tokenizer.vocab_size))
+    writer_class = MegatronWriter if megatron else ShardWriter
+    if megatron:
+        dtype = megatron_dtype(dtype)
 
     # 3. tokenize
     for name, entry in sources.items():
         entry["splits"] = {}
         for split in SPLITS:
-            writer = ShardWriter(out / name / split, dtype, tokenizer.eos_id)
+            writer = writer_class(out / name / split, dtype, tokenizer.eos_id)
             texts = _read_texts(text_dir / f"{name}.{split}.jsonl")
             with tqdm(total=entry["documents_kept"][split], desc=f"tokenize {name}/{split}",
                       unit="doc", leave=False, disable=None) as progress:
@@ -153,7 +165,7 @@ def build(config: str | Path | dict, out: str | Path, command: str | None = None
         shutil.rmtree(text_dir)
 
     manifest = {
-        "format": "onenode-shards/1",
+        "format": "megatron/1" if megatron else "onenode-shards/1",
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": command or shlex.join(sys.argv),
         "config": config,

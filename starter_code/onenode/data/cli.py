@@ -31,6 +31,9 @@ def register(subparsers) -> None:
     build.add_argument("--tokenizer", help="gpt2, a tokenizer.json path, or a transformers name")
     build.add_argument("--max-docs", type=int, help="read at most this many documents per source")
     build.add_argument("--val-fraction", type=float, help="held-out fraction of documents")
+    build.add_argument("--format", choices=("onenode", "megatron"),
+                       help="shard format: the kit's own (default), or Megatron's indexed dataset "
+                            "<source>/<split>.bin/.idx through megatron-core (extra [megatron])")
     build.set_defaults(func=_build)
 
     inspect = sub.add_parser("inspect", help="summarise a built data folder")
@@ -87,6 +90,8 @@ def _build(args) -> int:
         config["tokenizer"] = args.tokenizer
     if args.val_fraction is not None:
         config["val_fraction"] = args.val_fraction
+    if args.format:
+        config["format"] = args.format
     if args.max_docs:
         for spec in config["sources"].values():
             spec["max_docs"] = args.max_docs
@@ -99,7 +104,7 @@ def _build(args) -> int:
 def _print_summary(manifest: dict) -> None:
     tok = manifest["tokenizer"]
     print(f"tokenizer {tok['name']} (vocab {tok['vocab_size']}, eos {tok['eos_id']}, "
-          f"sha256 {tok['sha256'][:12]}), shards {manifest['dtype']}")
+          f"sha256 {tok['sha256'][:12]}), shards {manifest['dtype']} ({manifest.get('format', 'onenode-shards/1')})")
     print(f"{'source':14s} {'weight':>6s} {'read':>8s} {'train docs':>10s} {'train tokens':>13s} "
           f"{'val docs':>8s} {'val tokens':>11s}")
     for name, s in manifest["sources"].items():

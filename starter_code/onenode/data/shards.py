@@ -6,6 +6,7 @@ Layout of a built data folder:
     <source>/<split>.bin              token ids, uint16 (vocab <= 65536) or uint32, each
                                       document followed by the tokenizer's EOS id
     <source>/<split>.idx.npy          int64 document offsets into .bin: n_docs + 1 entries
+                                      (`--format megatron`: <split>.idx, Megatron's index)
 
 A flat file plus offsets is what nanoGPT and Megatron's indexed datasets use: reading a document
 is one slice of a memmap, and nothing is loaded until the loader touches it.
@@ -76,9 +77,18 @@ class Shard:
 
     def __init__(self, prefix: Path, dtype: np.dtype):
         bin_path, idx_path = Path(prefix).with_suffix(".bin"), Path(prefix).with_suffix(".idx.npy")
-        if not bin_path.exists() or not idx_path.exists():
+        megatron_idx = Path(prefix).with_suffix(".idx")
+        if not bin_path.exists() or not (idx_path.exists() or megatron_idx.exists()):
             raise FileNotFoundError(f"shard {prefix} is missing; rebuild with `onenode data build`")
-        self.offsets = np.load(idx_path)
+        if idx_path.exists():
+            self.offsets = np.load(idx_path)
+        else:  # Megatron's index (`onenode data build --format megatron`)
+            from onenode.data.megatron import read_index
+
+            stored, self.offsets = read_index(Path(prefix))
+            if stored != np.dtype(dtype):
+                raise ValueError(f"{megatron_idx} stores {stored.name} tokens where the manifest says "
+                                 f"{np.dtype(dtype).name}: the folder is corrupt, rebuild it")
         size = bin_path.stat().st_size // np.dtype(dtype).itemsize
         if size != self.offsets[-1]:
             raise ValueError(f"shard {bin_path} holds {size} tokens but its index says "

@@ -67,6 +67,10 @@ def recipe_data_dir(recipe, root: str | Path = ".") -> Path | None:
 
     if recipe.data.source == "shards":
         return Path(root) / recipe.data.path
+    if recipe.data.source == "megatron":
+        from ..data.megatron import megatron_data_folder
+
+        return megatron_data_folder(Path(root) / recipe.data.path)
     if recipe.data.source == "config":
         config = (Path(root) / recipe.data.path).read_bytes()
         return cache_dir() / "datasets" / hashlib.sha256(config).hexdigest()[:16]

@@ -4,7 +4,7 @@
     seed: 0
     model: {preset: tiny, hidden_size: 64}          # a preset plus NemotronHConfig overrides,
                                                      # or no preset and any pattern with sizes
-    data: {source: synthetic}                        # or shards / config + path (+ mixture)
+    data: {source: synthetic}                        # or shards / config / megatron + path (+ mixture)
     train: {token_budget: 65536, seq_len: 64, global_batch_size: 8, micro_batch_size: 4}
     optimizer: {name: adamw, lr: 3.0e-3}
     schedule: {name: wsd, warmup_fraction: 0.05, decay_fraction: 0.2, decay_shape: 1-sqrt}
@@ -38,6 +38,9 @@ class RecipeError(ValueError):
     """A recipe that cannot run; the message is one line naming the bad key."""
 
 
+DATA_SOURCES = ("synthetic", "shards", "config", "megatron")
+
+
 @dataclass
 class ModelSection:
     preset: str | None = None
@@ -50,7 +53,8 @@ class ModelSection:
 class DataSection:
     # "synthetic": a seeded, structured token stream (smoke tests, no files); "shards": a data
     # folder built by `onenode data build`; "config": a data config YAML, built on first use
-    # into $ONENODE_CACHE/datasets/ (see starter_code/onenode/data/configs/).
+    # into $ONENODE_CACHE/datasets/ (see starter_code/onenode/data/configs/); "megatron": a
+    # Megatron dataset prefix (PREFIX.bin + PREFIX.idx), needs the [megatron] extra.
     source: str = "synthetic"
     path: str | None = None
     mixture: dict = field(default_factory=dict)  # source name -> weight; empty: the data's own
@@ -210,7 +214,7 @@ class Recipe:
             ("train.token_budget", t.token_budget >= self.tokens_per_step,
              f"{t.token_budget} is less than one step (global_batch_size x seq_len = {self.tokens_per_step})"),
             ("train.precision", t.precision in ("bf16", "fp32"), "is bf16 or fp32"),
-            ("data.source", self.data.source in ("synthetic", "shards", "config"), "is synthetic, shards or config"),
+            ("data.source", self.data.source in DATA_SOURCES, "is synthetic, shards, config or megatron"),
             ("data.path", self.data.source == "synthetic" or bool(self.data.path),
              f"is needed with data.source: {self.data.source}"),
             ("optimizer.name", o.name in ("adamw", "muon"), "is adamw or muon"),

@@ -141,6 +141,13 @@ class Trainer:
         d = self.recipe.data
         if d.source == "shards":
             folder = Path(d.path)
+        elif d.source == "megatron":
+            from ..data.megatron import megatron_data_folder
+
+            try:
+                folder = megatron_data_folder(d.path)
+            except (OSError, ValueError, RuntimeError) as e:
+                raise RecipeError(f"recipe: data.source megatron, data.path {d.path}: {e}") from None
         else:
             from ..data import build
             from ..data.corpus import cache_dir, cache_lock
