@@ -4,7 +4,8 @@ torchtitan's pattern (a spec per model, one trainer): each assignment package bu
 `Assignment` (`grader/a1/__init__.py`, `grader/a2/__init__.py`), `grader/assignments.py` lists
 them, and the core (`cohort.py`, `cli.py`, `leaderboard.py`) drives any of them the same way:
 intake, atomic and resumable cohort grading, results.json and feedback, cohort.csv, the terminal
-table, the leaderboard, the command line. A new assignment is a new package and one line there.
+table, the leaderboard, the command line, the student release, the hint ladders, the grade
+sheet and the demo. A new assignment is a new package and one line there.
 """
 
 from __future__ import annotations
@@ -39,6 +40,35 @@ class Graded:
     facts: dict = field(default_factory=dict)  # more of results.json's extra_data
 
 
+def no_secret_lines(starter: Path) -> set[str]:
+    """An assignment whose release has no lines to hold back beyond its hint ladders."""
+    return set()
+
+
+@dataclass(frozen=True)
+class Handout:
+    """What `onenode-grade release NAME` gives students besides the files every release shares."""
+
+    title: str  # the student README's heading
+    folder: Path  # the handout folder in the kit; the release names it the same
+    parts: tuple[str, ...]  # what of `folder` students get (missing ones are skipped)
+    starter: Callable[[Path], Path]  # writes the starter students get at DEST/starter_code and returns that
+    submit: tuple[str, ...]  # the README's "Submit" section, as Markdown lines
+    run: tuple[str, ...] = ()  # commands the README's "Run" block adds after the public tests
+    # the bundle's starter_code -> lines that must not ship (a leak check beside the hints')
+    secret_lines: Callable[[Path], set[str]] = no_secret_lines
+    hints: Path | None = None  # hints.toml: ladders the instructor posts one rung at a time; never shipped
+
+
+@dataclass(frozen=True)
+class Demo:
+    """An example cohort that `onenode-grade demo NAME` builds and grades."""
+
+    build_cohort: Callable[[Path], object]  # writes one submission per entry under the folder given
+    profile: str  # the profile it grades on unless --profile says otherwise
+    help: str  # what it is, for `onenode-grade demo --help`
+
+
 @dataclass(frozen=True)
 class Assignment:
     """An assignment as the core sees it."""
@@ -59,4 +89,7 @@ class Assignment:
     leaderboard_title: str
     # its entries -> [(header, read a results.json, format[, read the standard error shown as "± e"])]
     leaderboard_columns: Callable[[list], list[tuple]]
+    handout: Handout
+    report_source: Path  # the nbgrader source folder holding its report.ipynb
     leaderboard_plots: tuple[tuple[str, Callable], ...] = ()  # (PNG name, plot(entries, path, pyplot) -> drawn)
+    demo: Demo | None = None

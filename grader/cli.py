@@ -3,7 +3,7 @@
     onenode-grade a1 SUBMISSION --profile cpu-tiny --out DIR   # one folder or archive
     onenode-grade a1 --cohort DIR --profile h100x8 --out DIR   # every submission in DIR, resumable
     onenode-grade a2 --cohort DIR --profile cpu-tiny --out DIR # A2 run folders, against the baseline
-    onenode-grade demo --out DIR                               # the example cohort on CPU
+    onenode-grade demo [NAME] --out DIR                        # an example cohort (the first: A1's) on CPU
     onenode-grade release a1 --out DIR --course COURSE         # the student repository + nbgrader course
     onenode-grade export --course COURSE --results DIR --csv FILE   # grade sheet: parts + notebook
     onenode-grade leaderboard --cohort DIR --cohort DIR --out SITE  # the cohorts as a static page
@@ -24,8 +24,6 @@ from .assignment import Assignment
 from .assignments import ASSIGNMENTS
 from .errors import GraderError
 from .rubric import KIT_ROOT
-
-DEMO_ASSIGNMENT = "a1"
 
 
 def _run_grading(assignment: Assignment, args) -> int:
@@ -61,12 +59,14 @@ def _run_grading(assignment: Assignment, args) -> int:
 
 
 def _run_demo(args) -> int:
-    from .a1.demo import build_cohort
-
+    """`onenode-grade demo NAME`: build NAME's example cohort in OUT/cohort, grade it into OUT/results."""
+    assignment = ASSIGNMENTS[args.assignment]
     out = Path(args.out)
-    build_cohort(out / "cohort")
+    assignment.demo.build_cohort(out / "cohort")
     args.cohort, args.submission, args.out = str(out / "cohort"), None, str(out / "results")
-    return _run_grading(ASSIGNMENTS[DEMO_ASSIGNMENT], args)
+    args.profile = args.profile or assignment.demo.profile
+    args.rubric = args.rubric or str(assignment.rubric_path)
+    return _run_grading(assignment, args)
 
 
 def _grading_options(parser: argparse.ArgumentParser, assignment: Assignment, profile: str | None) -> None:
@@ -76,8 +76,9 @@ def _grading_options(parser: argparse.ArgumentParser, assignment: Assignment, pr
     parser.add_argument("--profile", default=profile, required=profile is None,
                         help=f"hardware profile of the rubric: {profiles}")
     parser.add_argument("--force", action="store_true", help="re-grade submissions already graded in --out")
-    parser.add_argument("--rubric", default=str(assignment.rubric_path),
-                        help=f"rubric TOML (default: {assignment.rubric_path.relative_to(KIT_ROOT)})")
+    rubric = assignment.rubric_path
+    shown = rubric.relative_to(KIT_ROOT) if rubric.is_relative_to(KIT_ROOT) else rubric
+    parser.add_argument("--rubric", default=str(rubric), help=f"rubric TOML (default: {shown})")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--no-notebook", action="store_true",
                         help="grade everything but report.ipynb (e.g. on a GPU node without nbgrader); "
@@ -92,9 +93,21 @@ def _add_grading(sub) -> None:
         parser.add_argument("--cohort", help="folder with one submission per entry")
         _grading_options(parser, assignment, None)
         parser.set_defaults(func=partial(_run_grading, assignment))
-    demo = sub.add_parser("demo", help="build the example cohort from solutions/a1 and grade it on CPU")
-    _grading_options(demo, ASSIGNMENTS[DEMO_ASSIGNMENT], "cpu-tiny")
-    demo.set_defaults(func=_run_demo)
+
+
+def _add_demo(sub) -> None:
+    """`onenode-grade demo [NAME]` for the assignments that have an example cohort, the first by
+    default; --profile and --rubric default to the chosen one's."""
+    demos = [a for a in ASSIGNMENTS.values() if a.demo is not None]
+    if not demos:
+        return
+    demo = sub.add_parser("demo", help=f"build an example cohort and grade it (default: {demos[0].name})",
+                          description="\n".join(f"{a.name}: {a.demo.help}" for a in demos),
+                          conflict_handler="resolve")  # two assignments may add the same option
+    demo.add_argument("assignment", nargs="?", choices=[a.name for a in demos], default=demos[0].name)
+    for assignment in reversed(demos):  # the default's options and help come last and win
+        _grading_options(demo, assignment, assignment.demo.profile)
+    demo.set_defaults(func=_run_demo, profile=None, rubric=None)
 
 
 # -- release and export: grader/release.py, grader/export.py ----------------------------------
@@ -135,9 +148,10 @@ def _add_release_export(sub) -> None:
     release.set_defaults(func=_run_release)
     export = sub.add_parser("export", help="grade sheet: autograder results merged with the nbgrader gradebook")
     export.add_argument("--course", required=True, help="the course folder made by `release`")
-    export.add_argument("--results", required=True, help="the --out folder of `onenode-grade a1`")
+    export.add_argument("--results", required=True, help="the --out folder of `onenode-grade NAME`")
     export.add_argument("--csv", required=True, help="the merged grade sheet to write")
-    export.add_argument("--assignment", default="a1", choices=list(ASSIGNMENTS))
+    export.add_argument("--assignment", default=None, choices=list(ASSIGNMENTS),
+                        help="the assignment graded (default: the one the results name)")
     export.set_defaults(func=_run_export)
 
 
@@ -153,7 +167,7 @@ def _run_leaderboard(args) -> int:
 def _add_leaderboard(sub) -> None:
     parser = sub.add_parser("leaderboard", help="the cohort's results as a static site (HTML + PNG + Markdown)")
     parser.add_argument("--cohort", action="append", required=True,
-                        help="a results folder of onenode-grade a1 or a2 (repeatable)")
+                        help="a results folder of `onenode-grade NAME` (repeatable)")
     parser.add_argument("--out", required=True, help="site folder to write (index.html, leaderboard.md, *.png)")
     parser.set_defaults(func=_run_leaderboard)
 
@@ -163,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_grading(sub)
+    _add_demo(sub)
     _add_release_export(sub)
     _add_leaderboard(sub)
     hints.register(sub)

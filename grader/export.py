@@ -1,13 +1,13 @@
 """`onenode-grade export --course COURSE --results OUT --csv FILE`: one grade sheet per cohort.
 
-The autograder's results (`OUT/<name>/results.json`, from `onenode-grade a1`) hold the parts'
+The autograder's results (`OUT/<name>/results.json`, from `onenode-grade NAME`) hold the parts'
 scores and the notebook's autograded points; the written answers are graded by TAs in nbgrader's
 formgrader, in COURSE. This command first records in COURSE every executed notebook the
 autograder left (`OUT/<name>/report_autograded.ipynb`; no code runs, see grader/notebook.py), so
 the formgrader lists them, then runs `nbgrader export` (COURSE/grades.csv) and writes one row per
 student: the parts from results.json, the notebook from the gradebook (autograded + written, as
 graded so far), and the total. Run it again after manual grading: unchanged notebooks are not
-re-imported, so manual grades stay.
+re-imported, so manual grades stay. The results say which assignment they are of.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import os
 from pathlib import Path
 
+from .assignments import ASSIGNMENTS
 from .notebook import AUTOGRADED_NAME, COURSE_ID, NOTEBOOK_ID, db_url, import_executed, run_nbgrader, student_id
 
 FIELDS = ("student", "parts_score", "parts_max", "notebook_score", "notebook_max", "needs_manual_grade",
@@ -32,7 +33,7 @@ def _imported(course: Path, assignment: str, student: str, executed: Path) -> bo
 def import_results(course: Path, results: Path, assignment: str) -> dict[str, dict]:
     """student id -> results.json of every graded submission; new notebooks recorded in COURSE."""
     if not results.is_dir():
-        raise FileNotFoundError(f"{results} is not a folder: pass the --out folder of `onenode-grade a1`")
+        raise FileNotFoundError(f"{results} is not a folder: pass the --out folder of `onenode-grade {assignment}`")
     from nbgrader.api import Gradebook
 
     graded = {}
@@ -74,8 +75,25 @@ def merge(graded: dict[str, dict], gradebook_rows: list[dict], manual: dict[str,
     return rows
 
 
-def export(course: Path, results: Path, out_csv: Path, assignment: str = "a1") -> list[dict]:
-    """Import, `nbgrader export`, merge; write `out_csv` and return its rows."""
+def results_assignment(results: Path) -> str:
+    """The name of the assignment whose results fill the folder `results` (each results.json
+    records its label)."""
+    by_label = {a.label: a.name for a in ASSIGNMENTS.values()}
+    labels = {json.loads(path.read_text(encoding="utf-8"))["extra_data"].get("assignment")
+              for path in sorted(results.glob("*/results.json"))}
+    if not labels:
+        raise FileNotFoundError(f"no */results.json in {results}: pass the --out folder of `onenode-grade NAME`")
+    if len(labels) > 1 or None in labels or not labels <= set(by_label):
+        raise ValueError(f"the results in {results} do not name one known assignment ({sorted(map(str, labels))}): "
+                         f"pass --assignment ({', '.join(ASSIGNMENTS)})")
+    return by_label[labels.pop()]
+
+
+def export(course: Path, results: Path, out_csv: Path, assignment: str | None = None) -> list[dict]:
+    """Import, `nbgrader export`, merge; write `out_csv` and return its rows. `assignment`
+    defaults to the one the results name."""
+    if assignment is None:
+        assignment = results_assignment(results)
     if not (course / "gradebook.db").is_file():
         raise FileNotFoundError(f"no gradebook.db in {course}: "
                                 f"run `onenode-grade release {assignment} --course {course}` first")

@@ -1,15 +1,17 @@
-"""`onenode-grade hints a1 --part N --rung K`: one rung of a hint ladder, for the course forum.
+"""`onenode-grade hints NAME --part N --rung K`: one rung of a hint ladder, for the course forum.
 
-The ladders live in `<handout>/hints.toml` beside the handout, never in it: the release leaves
-the file out and refuses a bundle that holds any of its lines, so a rung reaches students only
-when the instructor posts it.
+An assignment's ladders live in the file its `Handout.hints` names (`a1_infra/hints.toml`),
+beside the handout, never in it: the release leaves the file out and refuses a bundle that holds
+any of its lines, so a rung reaches students only when the instructor posts it.
 """
 
 from __future__ import annotations
 
-from .rubric import KIT_ROOT, tomllib
+from pathlib import Path
 
-HINT_FILES = {"a1": KIT_ROOT / "a1_infra" / "hints.toml"}
+from .assignments import ASSIGNMENTS
+from .rubric import tomllib
+
 MIN_SECRET_CHARS = 30
 
 
@@ -17,11 +19,16 @@ class HintError(ValueError):
     """No such ladder, part or rung; one line saying what exists."""
 
 
+def hint_files() -> dict[str, Path]:
+    """Assignment name -> its hints.toml, for the assignments that have one."""
+    return {a.name: a.handout.hints for a in ASSIGNMENTS.values() if a.handout.hints is not None}
+
+
 def ladders(assignment: str) -> dict[str, dict]:
     """{"part1": {"title": ..., "rungs": [markdown, ...]}, ...} of `assignment`."""
-    path = HINT_FILES.get(assignment)
+    path = hint_files().get(assignment)
     if path is None or not path.is_file():
-        raise HintError(f"{assignment} has no hint ladders (they exist for: {', '.join(HINT_FILES)})")
+        raise HintError(f"{assignment} has no hint ladders (they exist for: {', '.join(hint_files())})")
     with path.open("rb") as f:
         return tomllib.load(f)
 
@@ -39,7 +46,7 @@ def rung(assignment: str, part: int, number: int) -> str:
 
 def secret_lines(assignment: str) -> set[str]:
     """Every hint line long enough to be recognised in a release bundle."""
-    if assignment not in HINT_FILES:
+    if assignment not in hint_files():
         return set()
     lines = (line.strip() for ladder in ladders(assignment).values() for text in ladder["rungs"]
              for line in text.splitlines())
@@ -48,7 +55,7 @@ def secret_lines(assignment: str) -> set[str]:
 
 def register(sub) -> None:
     hints = sub.add_parser("hints", help="print one rung of an assignment's hint ladder (for the course forum)")
-    hints.add_argument("assignment", choices=sorted(HINT_FILES))
-    hints.add_argument("--part", type=int, required=True, help="part number (A1: 1 MoE, 2 EP, 3 pipeline)")
+    hints.add_argument("assignment", choices=sorted(hint_files()))
+    hints.add_argument("--part", type=int, required=True, help="part number, from 1 (a wrong one lists them)")
     hints.add_argument("--rung", type=int, required=True, help="rung number, from 1 (gentlest)")
     hints.set_defaults(func=lambda args: print(rung(args.assignment, args.part, args.rung), end=""))

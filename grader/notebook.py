@@ -9,9 +9,9 @@ the gradebook the grader reads or the TA's course, and nothing a notebook does o
 outputs reaches a score. (Its outputs themselves are as trustworthy as nbgrader makes them: a
 notebook that forges its test outputs is for the TA's review of the written cells to catch.)
 
-The course folder (`assignments/`: `nbgrader_config.py`, `source/<assignment>/report.ipynb`) is
-copied into a working folder per use; gradebook.db, release/, submitted/, autograded/ and
-feedback/ are created there.
+A course folder is made per use from the kit's `assignments/nbgrader_config.py` and each
+assignment's source notebook (`Assignment.report_source`, e.g. `assignments/source/a1/`);
+gradebook.db, release/, submitted/, autograded/ and feedback/ are created there.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from .assignments import ASSIGNMENTS
 from .errors import GraderError
 from .report import test_entry
 from .rubric import KIT_ROOT
 from .sandbox import Limits, make_private, make_scratch, run_sandboxed
 
-ASSIGNMENTS = KIT_ROOT / "assignments"
-COURSE_ID = "onenode"  # c.CourseDirectory.course_id in assignments/nbgrader_config.py
+NBGRADER_CONFIG = KIT_ROOT / "assignments" / "nbgrader_config.py"
+COURSE_ID = "onenode"  # c.CourseDirectory.course_id in NBGRADER_CONFIG
 NOTEBOOK_ID = "report"  # every assignment has one notebook, report.ipynb
 MAX_NOTEBOOK_BYTES = 20 * 2**20
 SANDBOX_LIMITS = Limits(wall_s=600, cpu_s=600, memory_mb=8192, nproc=512, fsize_mb=256, output_kb=512)
@@ -126,10 +127,12 @@ def nbgrader_api(course: Path, step: str, *args: str, **config) -> str:
 
 
 def assignment_source(assignment: str) -> Path:
-    source = ASSIGNMENTS / "source" / assignment
+    """The nbgrader source folder of `assignment`'s report.ipynb."""
+    if assignment not in ASSIGNMENTS:
+        raise ValueError(f"no assignment {assignment!r}: choose one of {', '.join(ASSIGNMENTS)}")
+    source = ASSIGNMENTS[assignment].report_source
     if not (source / f"{NOTEBOOK_ID}.ipynb").is_file():
-        known = sorted(p.name for p in (ASSIGNMENTS / "source").iterdir() if p.is_dir())
-        raise ValueError(f"no assignment {assignment!r} in {ASSIGNMENTS / 'source'}: choose one of {', '.join(known)}")
+        raise ValueError(f"{assignment} has no {NOTEBOOK_ID}.ipynb in {source}: restore it from git")
     return source
 
 
@@ -138,7 +141,7 @@ def make_course(course: Path, assignments: list[str]) -> Path:
     (`nbgrader generate_assignment`: gradebook entries and release/<assignment>/)."""
     sources = [assignment_source(a) for a in assignments]
     course.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(ASSIGNMENTS / "nbgrader_config.py", course / "nbgrader_config.py")
+    shutil.copy2(NBGRADER_CONFIG, course / "nbgrader_config.py")
     for assignment, source in zip(assignments, sources):
         shutil.rmtree(course / "source" / assignment, ignore_errors=True)
         shutil.copytree(source, course / "source" / assignment)
@@ -305,7 +308,7 @@ def _grade(template: Path, assignment: str, notebook: Path, logs: Path) -> _Grad
         shutil.rmtree(private, ignore_errors=True)
 
 
-def grade(notebook: Path | None, logs: Path, assignment: str = "a1") -> list[dict]:
+def grade(notebook: Path | None, logs: Path, assignment: str) -> list[dict]:
     """Autograded points of a submission's report.ipynb as results.json test entries (tag
     `notebook`); the executed notebook and nbgrader's feedback HTML go beside `logs/` (the
     submission's output folder) as report_autograded.ipynb and report_feedback.html.

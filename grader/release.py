@@ -1,21 +1,21 @@
-"""`onenode-grade release a1|a2 --out DIR --course COURSE`: the repository students get.
+"""`onenode-grade release NAME --out DIR --course COURSE`: the repository students get.
 
 The student repository (DIR), the same layout as the kit so `git diff` there gives the paths the
 grader applies (`a/starter_code/onenode/...`):
 
     README.md            install, `onenode bench`, the public tests, the report, how to submit
     pyproject.toml       the kit's, without the grader: package and CLI `onenode` only
-    starter_code/onenode the stack (A2: with the reference A1 patch applied, docs/DESIGN.md)
+    starter_code/onenode the stack the assignment starts from (its `Handout.starter`)
     tests/conftest.py    what the public tests import from the kit's tests/ (cache folders,
     tests/dist_utils.py  the gloo process runner), nothing else of it
-    a1_infra/ | a2_pretrain/   the handout (README.md once written), rubric, recipes, public tests
+    a1_infra/ | ...      the handout folder: what of it `Handout.parts` names
     benchmarks/results/  the records the handout links to, at the paths they have in the kit
     report.ipynb         nbgrader's release version: no solutions, no hidden tests
 
 COURSE is the TAs' nbgrader working folder (gradebook.db, source/, release/), never part of DIR.
-Before DIR appears, the bundle is checked: no solution or hidden-test region, for A1 no line of
-the reference patch (every added line over 30 characters not already in the starter), and every
-relative link of its Markdown files resolves to a file inside the bundle.
+Before DIR appears, the bundle is checked: no solution or hidden-test region, no line of the hint
+ladders or of the assignment's own secrets (`Handout.secret_lines`; for A1 the reference patch),
+and every relative link of its Markdown files resolves to a file inside the bundle.
 """
 
 from __future__ import annotations
@@ -24,15 +24,14 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from . import hints
+from .assignment import Handout
+from .assignments import ASSIGNMENTS
 from .notebook import NOTEBOOK_ID, make_course
 from .rubric import KIT_ROOT, tomllib
-from .submission import load_submission, patched_tree, pristine_tree
 
-SOLUTIONS_A1 = KIT_ROOT / "solutions" / "a1"
 RECORDS = KIT_ROOT / "benchmarks" / "results"
 TEST_SUPPORT = ("tests/conftest.py", "tests/dist_utils.py")
 FORBIDDEN_MARKERS = ("BEGIN HIDDEN TESTS", "END HIDDEN TESTS", "BEGIN SOLUTION", "END SOLUTION")
@@ -54,21 +53,6 @@ class ReleaseError(ValueError):
     """The release cannot be built or would leak; one line saying what to fix."""
 
 
-@dataclass(frozen=True)
-class Handout:
-    title: str
-    folder: str  # the handout folder of the kit
-    parts: tuple[str, ...]  # what of it students get (missing ones are skipped)
-    with_reference_a1: bool  # the starter with solutions/a1/submission.patch applied
-
-
-HANDOUTS = {
-    "a1": Handout("A1: make the NemotronH training stack fast", "a1_infra", ("README.md", "rubric.toml", "tests"),
-                  False),
-    "a2": Handout("A2: pretrain your own model", "a2_pretrain", ("README.md", "rubric.toml", "recipes", "tests"), True),
-}
-
-
 def student_pyproject(text: str, testpaths: list[str]) -> str:
     """The kit's pyproject.toml without the grader package and CLI, testing only `testpaths`."""
     edits = [
@@ -87,8 +71,8 @@ def student_pyproject(text: str, testpaths: list[str]) -> str:
     return text
 
 
-def student_readme(assignment: str, handout: Handout, has_handout: bool, has_tests: bool) -> str:
-    folder = handout.folder
+def student_readme(handout: Handout, has_handout: bool, has_tests: bool) -> str:
+    folder = handout.folder.name
     lines = [f"# OneNode {handout.title}", "",
              f"The handout is [`{folder}/README.md`]({folder}/README.md)." if has_handout else
              f"The handout is on the course page; this repository holds the code, the report and `{folder}/`.",
@@ -103,19 +87,9 @@ def student_readme(assignment: str, handout: Handout, has_handout: bool, has_tes
     if has_tests:
         lines.append(".venv/bin/python -m pytest -q                         "
                      "# the public tests (the starter fails them)")
-    if assignment == "a2":
-        lines.append(f".venv/bin/onenode train {folder}/recipes/tiny.yaml --out runs/tiny   "
-                     "# a recipe end to end on CPU")
-    lines += [".venv/bin/jupyter lab report.ipynb                     # the report: set PROFILE in its first cell",
-              "```", "", "## Submit", ""]
-    if assignment == "a1":
-        lines += ["```bash", "git add -A starter_code/onenode   # new files too",
-                  'git diff --cached "$(git rev-list --max-parents=0 HEAD)" -- starter_code/onenode > submission.patch',
-                  "```", "",
-                  "Hand in `submission.patch` and `report.ipynb` (a folder or one archive)."]
-    else:
-        lines += ["Hand in the final checkpoint (transformers layout), your recipe, the run manifest and logs, "
-                  "and `report.ipynb`."]
+    lines += [*handout.run,
+              ".venv/bin/jupyter lab report.ipynb                     # the report: set PROFILE in its first cell",
+              "```", "", "## Submit", "", *handout.submit]
     return "\n".join(lines) + "\n"
 
 
@@ -141,6 +115,12 @@ def reference_lines(patch: str, starter: Path) -> set[str]:
     starter_text = "\n".join(text for _, text in text_files(starter))
     added = {line[1:].strip() for line in patch.splitlines() if line.startswith("+") and not line.startswith("+++")}
     return {line for line in added if len(line) > MIN_LEAK_CHARS and line not in starter_text}
+
+
+def withheld_lines(assignment: str, starter: Path) -> set[str]:
+    """The lines no release of `assignment` may hold: its hint ladders', and its own secrets
+    given the starter the release carries (`starter`, its starter_code)."""
+    return hints.secret_lines(assignment) | ASSIGNMENTS[assignment].handout.secret_lines(starter)
 
 
 def leaks(bundle: Path, secret_lines: set[str]) -> list[str]:
@@ -197,22 +177,13 @@ def copy_linked_records(stage: Path) -> list[Path]:
 
 
 def starter_tree(assignment: str, dest: Path) -> Path:
-    """The starter students get for `assignment`, at `dest/starter_code`: the kit's, with the
-    reference A1 patch applied where the assignment starts from the fixed stack (A2,
-    docs/DESIGN.md)."""
-    if not HANDOUTS[assignment].with_reference_a1:
-        return pristine_tree(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="reference-a1-", dir=dest.parent))
-    try:
-        return patched_tree(load_submission(SOLUTIONS_A1, work), dest)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    """The starter students get for `assignment`, at `dest/starter_code`."""
+    return ASSIGNMENTS[assignment].handout.starter(dest)
 
 
 def build(assignment: str, stage: Path, course: Path) -> None:
     """The student repository of `assignment` in the empty folder `stage`."""
-    handout = HANDOUTS[assignment]
+    handout = ASSIGNMENTS[assignment].handout
     work = Path(tempfile.mkdtemp(prefix="release-", dir=stage.parent))
     try:
         starter_tree(assignment, work / "tree")
@@ -221,15 +192,16 @@ def build(assignment: str, stage: Path, course: Path) -> None:
         shutil.rmtree(work, ignore_errors=True)
     for rel in TEST_SUPPORT:
         _copy(KIT_ROOT / rel, stage / rel)
+    folder = handout.folder.name
     for part in handout.parts:
-        if (KIT_ROOT / handout.folder / part).exists():
-            _copy(KIT_ROOT / handout.folder / part, stage / handout.folder / part)
+        if (handout.folder / part).exists():
+            _copy(handout.folder / part, stage / folder / part)
     copy_linked_records(stage)
-    has_tests = (stage / handout.folder / "tests").is_dir()
-    testpaths = [f"{handout.folder}/tests"] if has_tests else []
+    has_tests = (stage / folder / "tests").is_dir()
+    testpaths = [f"{folder}/tests"] if has_tests else []
     (stage / "pyproject.toml").write_text(student_pyproject((KIT_ROOT / "pyproject.toml").read_text(), testpaths))
-    has_handout = (stage / handout.folder / "README.md").is_file()
-    (stage / "README.md").write_text(student_readme(assignment, handout, has_handout, has_tests))
+    has_handout = (stage / folder / "README.md").is_file()
+    (stage / "README.md").write_text(student_readme(handout, has_handout, has_tests))
     shutil.copy2(KIT_ROOT / ".gitignore", stage / ".gitignore")
     shutil.copy2(KIT_ROOT / "LICENSE", stage / "LICENSE")  # pyproject.toml names it
     make_course(course, [assignment])
@@ -243,8 +215,8 @@ def build(assignment: str, stage: Path, course: Path) -> None:
 def release(assignment: str, out: Path, course: Path, force: bool = False) -> Path:
     """Build the student repository of `assignment` at `out` (atomically) and the nbgrader course
     at `course`; refuse to publish a bundle that leaks."""
-    if assignment not in HANDOUTS:
-        raise ReleaseError(f"unknown assignment {assignment!r}: choose one of {', '.join(HANDOUTS)}")
+    if assignment not in ASSIGNMENTS:
+        raise ReleaseError(f"unknown assignment {assignment!r}: choose one of {', '.join(ASSIGNMENTS)}")
     out, course = out.resolve(), course.resolve()
     if course == out or out in course.parents or course in out.parents:
         raise ReleaseError(f"--course {course} and --out {out} must not contain each other: "
@@ -255,11 +227,7 @@ def release(assignment: str, out: Path, course: Path, force: bool = False) -> Pa
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         build(assignment, stage, course)
-        secret = hints.secret_lines(assignment)
-        if not HANDOUTS[assignment].with_reference_a1:
-            patch = (SOLUTIONS_A1 / "submission.patch").read_text(encoding="utf-8")
-            secret |= reference_lines(patch, stage / "starter_code")
-        found = leaks(stage, secret)
+        found = leaks(stage, withheld_lines(assignment, stage / "starter_code"))
         if found:
             raise ReleaseError(f"the {assignment} release would leak ({len(found)} hits, first: {found[0]}): "
                                "fix the source")

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from grader import hints, notebook, report
+from grader.assignments import ASSIGNMENTS
 from grader.export import export
-from grader.release import HANDOUTS, ReleaseError, copy_linked_records, dead_links, leaks, release, student_pyproject
+from grader.release import ReleaseError, copy_linked_records, dead_links, leaks, release, student_pyproject
 from grader.report import results_json
 from grader.rubric import tomllib
 
@@ -84,7 +85,7 @@ def test_dead_link_check_finds_links_to_nothing_and_out_of_the_bundle(tmp_path):
     assert sorted(_links_to_nothing(bundle)) == sorted(dead_links(bundle))
 
 
-@pytest.mark.parametrize("folder", [handout.folder for handout in HANDOUTS.values()])
+@pytest.mark.parametrize("folder", [a.handout.folder.name for a in ASSIGNMENTS.values()])
 def test_the_records_a_handout_links_travel_with_it(tmp_path, folder):
     """The handout as the release copies it, then the records it links: every link resolves."""
     stage = tmp_path / "stage"
@@ -121,7 +122,7 @@ def test_hints_come_one_rung_at_a_time_and_never_ship(tmp_path, monkeypatch, cap
     assert "has rungs 1 to 4, not 9" in capsys.readouterr().err
     handout = (ROOT / "a1_infra" / "README.md").read_text()
     assert not [line for line in hints.secret_lines("a1") if line in handout]
-    assert "hints.toml" not in HANDOUTS["a1"].parts
+    assert "hints.toml" not in ASSIGNMENTS["a1"].handout.parts
 
 
 def test_student_pyproject_has_no_grader():
@@ -210,7 +211,7 @@ def test_full_notebook_cycle(a1_release, tmp_path):
         logs = results / name / "logs"
         logs.mkdir(parents=True)
         part = report.test_entry("Part 1: fused MoE experts: correctness", 4, 4, "ok", "moe")
-        tests = notebook.grade(path, logs) + [part]
+        tests = notebook.grade(path, logs, "a1") + [part]
         results_json_ = results_json(name, tests, [], 1.0, "", {"profile": "cpu-tiny", "seed": 0})
         (results / name / "results.json").write_text(json.dumps(results_json_))
         if name == "broken_student":
@@ -225,7 +226,7 @@ def test_full_notebook_cycle(a1_release, tmp_path):
         assert auto == (auto_max if name == "ref_student" else 0), [(t["name"], t["output"]) for t in tests]
 
     sheet = tmp_path / "grades.csv"
-    rows = {r["student"]: r for r in export(course, results, sheet)}
+    rows = {r["student"]: r for r in export(course, results, sheet, "a1")}
     with sheet.open() as f:
         assert sorted(r["student"] for r in csv.DictReader(f)) == sorted(submissions)
     ref, empty, broken_row = rows["ref_student"], rows["empty_student"], rows["broken_student"]
@@ -241,7 +242,7 @@ def test_full_notebook_cycle(a1_release, tmp_path):
         grade = gb.find_grade("slow_path_moe", "report", "a1", "ref_student")
         grade.manual_score = 2
         gb.db.commit()
-    rows = {r["student"]: r for r in export(course, results, sheet)}
+    rows = {r["student"]: r for r in export(course, results, sheet, "a1")}
     assert rows["ref_student"]["notebook_score"] == auto_max + 2, "the manual grade must survive a second export"
     with sheet.open() as f:
         assert {r["student"]: float(r["total"]) for r in csv.DictReader(f)} == {

@@ -3,7 +3,8 @@
 `job.py` runs the unpatched starter once as the job's reference, `scoring.py` grades each part
 of a submission against it (`compare.py`: the comparisons; `harness.py`: what runs in the
 sandboxed child), `rubric.py` reads `a1_infra/rubric.toml`, `tables.py` makes its rows, and
-`demo.py` builds the example cohort of `onenode-grade demo`.
+`demo.py` builds the example cohort of `onenode-grade demo`. The handout students get is the
+unpatched starter with `a1_infra/`; the reference patch's own lines must not ship with it.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..assignment import Assignment
+from ..assignment import Assignment, Demo, Handout
+from ..rubric import KIT_ROOT
+from ..submission import pristine_tree
 from . import tables
+from .demo import SOLUTIONS, build_cohort
 from .job import A1Job, new_job
 from .rubric import RUBRIC_PATH, A1Rubric, load_rubric
 from .scoring import grade
@@ -30,10 +34,30 @@ def job_from_args(rubric: A1Rubric, profile: str, workdir: Path, args: argparse.
                    notebooks=not args.no_notebook)
 
 
+def reference_patch_lines(starter: Path) -> set[str]:
+    """The lines only the reference patch has (for the release's leak check): A1's starter ships
+    unpatched, so none of them may ship with it."""
+    from ..release import reference_lines  # release imports the registry, which imports this package
+
+    return reference_lines((SOLUTIONS / "submission.patch").read_text(encoding="utf-8"), starter)
+
+
+HANDOUT = Handout(
+    title="A1: make the NemotronH training stack fast", folder=RUBRIC_PATH.parent,
+    parts=("README.md", "rubric.toml", "tests"), starter=pristine_tree,
+    submit=("```bash", "git add -A starter_code/onenode   # new files too",
+            'git diff --cached "$(git rev-list --max-parents=0 HEAD)" -- starter_code/onenode > submission.patch',
+            "```", "", "Hand in `submission.patch` and `report.ipynb` (a folder or one archive)."),
+    secret_lines=reference_patch_lines, hints=RUBRIC_PATH.parent / "hints.toml",
+)
+
 A1 = Assignment(
     name="a1", label="A1", help="grade A1 submissions (a folder or archive, or a cohort)",
     submission_help="submission folder or .zip/.tar.gz archive", archives=True,
     rubric_path=RUBRIC_PATH, load_rubric=load_rubric, add_options=add_options, new_job=job_from_args, grade=grade,
     csv_columns=tables.csv_columns, table=tables.table, leaderboard_title="A1: a fast training stack",
     leaderboard_columns=tables.leaderboard_columns, leaderboard_plots=(("a1_throughput.png", tables.plot_throughput),),
+    handout=HANDOUT, report_source=KIT_ROOT / "assignments" / "source" / "a1",
+    demo=Demo(build_cohort, profile="cpu-tiny",
+              help="the example cohort of examples/a1-cohort/cohort.toml, built from solutions/a1, graded on CPU"),
 )

@@ -234,7 +234,7 @@ def grade_notebook(ctx: Context) -> None:
     """The report notebook, autograded under nbgrader by `grader/notebook.py`."""
     from .. import notebook
 
-    ctx.tests += notebook.grade(ctx.submission.notebook, ctx.logs)
+    ctx.tests += notebook.grade(ctx.submission.notebook, ctx.logs, "a1")
 
 
 # The grading steps, in order; each adds tests (and numbers) to the context.

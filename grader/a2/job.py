@@ -84,7 +84,8 @@ def a2_stack() -> Path:
     never with a submission's code. Returns the folder holding `starter_code/`."""
     from onenode.data.corpus import cache_dir
 
-    from ..release import SOLUTIONS_A1, starter_tree
+    from ..a1.demo import SOLUTIONS as SOLUTIONS_A1
+    from ..release import starter_tree
 
     digest = hashlib.sha256((SOLUTIONS_A1 / "submission.patch").read_bytes())
     for path in sorted((KIT_ROOT / "starter_code" / "onenode").rglob("*.py")):
