@@ -266,8 +266,8 @@ def test_detection_probability_is_the_chance_a_forged_middle_span_is_drawn():
     assert detection_probability(12, 2, 2) == pytest.approx(1 - 28 / 45)  # 1 - C(8,2)/C(10,2)
     assert detection_probability(12, 1, 11) == 1.0 and detection_probability(12, 3, 0) == 0.0
     assert detection_line(12, 1) == ("of its 12 spans the first, the last and 1 drawn at random were replayed: a "
-                                     "forgery inside the movement bound and the log is caught 10% if it forged one "
-                                     "span, 20% if it forged 10% of them, 30% if it forged 25% of them")
+                                     "forgery inside the movement bound and the recorded losses is caught 10% if it "
+                                     "forged one span, 20% if it forged 10% of them, 30% if it forged 25% of them")
 
 
 # -- scores above the noise ----------------------------------------------------------------------

@@ -14,15 +14,17 @@ untrusted input) recomputes, from the files alone:
 - every span (cheap): how far it moved each weight against the most any training at the
   schedule's learning rates can move it (above that bound, no training made the later
   checkpoint from the earlier), and each checkpoint's loss on the grader's batch of the next
-  step, which must be the loss the log records for that step;
+  step, which must be the loss the run recorded for that step (the next checkpoint's trainer
+  state, and the log where it has the step);
 - the first span, the last span and random ones (the job's seed and the submission's name),
   trained again from the earlier checkpoint, which must give the later one back: bit for bit on
   the run's layout and hardware, or within the profile's `replay_tolerance` (replayed -
   recorded, relative to how far the span moved the weights).
 The random spans add up to at most the profile's `replay_fraction` of the run's steps, so every
 span must be that short: a run checkpointed more sparsely is not verified. A forgery inside the
-movement bound and the log (weights nudged, or other batches logged as the grader's) is caught
-when its span is replayed: `detection_probability` says how surely, and the feedback states it.
+movement bound and the recorded losses (weights nudged, or other batches recorded as the
+grader's) is caught when its span is replayed: `detection_probability` says how surely, and the
+feedback states it.
 The seconds it took are recorded.
 """
 
@@ -78,7 +80,7 @@ def detection_line(spans: int, drawn: int) -> str:
     odds = ", ".join(f"{detection_probability(spans, drawn, forged):.0%} if it forged {what}"
                      for what, forged in [("one span", 1), *shares])
     return (f"of its {spans} spans the first, the last and {drawn} drawn at random were replayed: a forgery inside "
-            f"the movement bound and the log is caught {odds}")
+            f"the movement bound and the recorded losses is caught {odds}")
 
 
 def replay_plan(sub: A2Submission, profile: A2Profile, seed: str) -> tuple[list[tuple[int, int]], str | None]:
@@ -204,22 +206,27 @@ def _movement(recomputed: list[dict]) -> tuple[bool, str]:
 
 def _logged_losses(recomputed: list[dict], chain: list[Link], records: list[dict],
                    tolerance: float) -> tuple[bool, str]:
-    """Whether the log's loss of each step after a checkpoint is that checkpoint's loss on the
-    grader's batch of the step (where the log has that step)."""
+    """Whether each checkpoint's loss on the grader's batch of the step after it is the loss the
+    run recorded for that step: in the next checkpoint's trainer state (every step's loss) and,
+    where it has the step, in metrics.jsonl."""
     logged = {r["step"]: r["loss"] for r in records if isinstance(r.get("step"), int)
               and isinstance(r.get("loss"), (int, float))}
-    compared = 0
-    for link, found in zip(chain, recomputed):
-        step = link.step + 1
-        if found["next_loss"] is None or step not in logged:
-            continue
-        compared += 1
-        if not math.isclose(logged[step], found["next_loss"], rel_tol=tolerance):
-            return False, (f"metrics.jsonl logs loss {logged[step]:.6g} at step {step}; {link.path.name} has loss "
-                           f"{found['next_loss']:.6g} on the grader's batch of that step: it trained on other data, or "
-                           "those weights are not the ones it trained")
-    return True, (f"{compared} of {len(chain) - 1} checkpoints' losses on the grader's batches are the logged ones"
-                  + ("" if compared else " (the log has no step right after a checkpoint)"))
+    in_log = 0
+    for link, found in zip(chain[:-1], recomputed[:-1]):
+        step, ours = link.step + 1, found["next_loss"]
+        claims = [("the next checkpoint's trainer state", found["stored_next_loss"])]
+        if step in logged:
+            in_log += 1
+            claims.append(("metrics.jsonl", logged[step]))
+        for where, claimed in claims:
+            if claimed is None:
+                return False, f"{where} records no loss for step {step}: submit the files the trainer wrote"
+            if not math.isclose(claimed, ours, rel_tol=tolerance):
+                return False, (f"{where} records loss {claimed:.6g} at step {step}; {link.path.name} has loss "
+                               f"{ours:.6g} on the grader's batch of that step: it trained on other data, or those "
+                               "weights are not the ones it trained")
+    return True, (f"every checkpoint's loss on the grader's batch of the next step is the one its successor's "
+                  f"trainer state records ({len(chain) - 1} compared; the log has {in_log} of those steps)")
 
 
 def _replayed(spans: list[dict], run_steps: int, tolerance: float) -> tuple[bool, str]:

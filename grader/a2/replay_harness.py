@@ -18,7 +18,9 @@ replay.json: {"init_sha256": the recipe's seeded initialisation,
                                "movement": the span up to it against the most training can move
                                            (null for step 0), "movement_at": the tensor nearest it,
                                "next_loss": its loss on the grader's batch of the next step
-                                            (null for the last)}],
+                                            (null for the last),
+                               "stored_next_loss": the loss of that step as the next checkpoint's
+                                                   trainer state records it}],
               "spans": [{"start", "end", "steps", "seconds", "bitwise", "relative_error",
                          "error": only when the span could not be replayed}],
               "error": one line, only when the harness could not finish}
@@ -218,11 +220,15 @@ def verify(plan: dict, report: dict) -> None:
         positions[step] = trainer.loader.state_dict()
         load_weights(path, model)
         state = {k: v.clone() for k, v in full_model_state_dict(model).items()}
-        recorded = torch.load(path / f"trainer_state_rank{trainer.rank}.pt", weights_only=True)["loader"]
-        differences = gathered(loader_difference(recorded, positions[step]))
+        stored = torch.load(path / f"trainer_state_rank{trainer.rank}.pt", weights_only=True)
+        differences = gathered(loader_difference(stored["loader"], positions[step]))
+        if report["checkpoints"]:  # the loss this checkpoint's state records for the step after the one before
+            losses = stored.get("losses")
+            claimed = losses[previous[0]] if isinstance(losses, list) and len(losses) > previous[0] else None
+            report["checkpoints"][-1]["stored_next_loss"] = claimed if isinstance(claimed, float) else None
         entry = {"name": path.name, "weights_sha256": weights_sha256(state) if trainer.rank == 0 else None,
                  "loader": "; ".join(f"rank {r}: {d}" for r, d in enumerate(differences) if d) or None,
-                 "movement": None, "movement_at": None, "next_loss": None}
+                 "movement": None, "movement_at": None, "next_loss": None, "stored_next_loss": None}
         if previous is not None and trainer.rank == 0:
             span_lrs = lrs[previous[0]:step]
             entry["movement"], entry["movement_at"] = movement(
