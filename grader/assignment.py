@@ -90,6 +90,8 @@ class Assignment:
     # its entries -> [(header, read a results.json, format[, read the standard error shown as "± e"])]
     leaderboard_columns: Callable[[list], list[tuple]]
     handout: Handout
-    report_source: Path  # the nbgrader source folder holding its report.ipynb
     leaderboard_plots: tuple[tuple[str, Callable], ...] = ()  # (PNG name, plot(entries, path, pyplot) -> drawn)
     demo: Demo | None = None
+    # the nbgrader source folder of its report.ipynb (None: the kit's assignments/source/NAME/);
+    # its `grade` passes the same to `notebook.grade`
+    report_source: Path | None = None

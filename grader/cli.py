@@ -115,7 +115,7 @@ def _run_release(args) -> int:
     from .release import release
 
     try:
-        out = release(args.assignment, Path(args.out), Path(args.course), force=args.force)
+        out = release(ASSIGNMENTS[args.assignment], Path(args.out), Path(args.course), force=args.force)
     except GraderError as e:
         print(f"onenode-grade: {e}", file=sys.stderr)
         return 1
@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_release_export(sub)
     _add_leaderboard(sub)
-    hints.register(sub)
+    hints.register(sub, ASSIGNMENTS)
     return parser
 
 

@@ -10,8 +10,9 @@ outputs reaches a score. (Its outputs themselves are as trustworthy as nbgrader 
 notebook that forges its test outputs is for the TA's review of the written cells to catch.)
 
 A course folder is made per use from the kit's `assignments/nbgrader_config.py` and each
-assignment's source notebook (`Assignment.report_source`, e.g. `assignments/source/a1/`);
-gradebook.db, release/, submitted/, autograded/ and feedback/ are created there.
+assignment's source notebook (`assignments/source/<assignment>/report.ipynb`, or the folder its
+`Assignment.report_source` names); gradebook.db, release/, submitted/, autograded/ and feedback/
+are created there.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .assignments import ASSIGNMENTS
 from .errors import GraderError
 from .report import test_entry
 from .rubric import KIT_ROOT
 from .sandbox import Limits, make_private, make_scratch, run_sandboxed
 
 NBGRADER_CONFIG = KIT_ROOT / "assignments" / "nbgrader_config.py"
+SOURCES = KIT_ROOT / "assignments" / "source"  # <assignment>/report.ipynb, unless the assignment names another
 COURSE_ID = "onenode"  # c.CourseDirectory.course_id in NBGRADER_CONFIG
 NOTEBOOK_ID = "report"  # every assignment has one notebook, report.ipynb
 MAX_NOTEBOOK_BYTES = 20 * 2**20
@@ -103,9 +104,9 @@ def run_nbgrader(course: Path, *args: str, timeout: float = 600) -> str:
 def nbgrader_api(course: Path, step: str, *args: str, **config) -> str:
     """nbgrader's Python API (`NbGraderAPI.<step>(*args)`) on `course`, configured by its
     nbgrader_config.py plus `config` (traitlets sections) as the command line would be, in this
-    process: for the trusted steps (generating, importing an executed notebook, feedback) a
-    subprocess each paid about 3 s of imports. Its log on success, a one-line NotebookError
-    otherwise."""
+    process: for the trusted steps (generating, importing an executed notebook, feedback), so that
+    each step does not pay nbgrader's imports again in a subprocess. Its log on success, a one-line
+    NotebookError otherwise."""
     require_nbgrader()
     from nbgrader.apps import NbGraderAPI
     from nbgrader.coursedir import CourseDirectory
@@ -126,23 +127,21 @@ def nbgrader_api(course: Path, step: str, *args: str, **config) -> str:
     return log
 
 
-def assignment_source(assignment: str) -> Path:
-    """The nbgrader source folder of `assignment`'s report.ipynb."""
-    if assignment not in ASSIGNMENTS:
-        raise ValueError(f"no assignment {assignment!r}: choose one of {', '.join(ASSIGNMENTS)}")
-    source = ASSIGNMENTS[assignment].report_source
+def assignment_source(assignment: str, source: Path | None = None) -> Path:
+    """The nbgrader source folder of `assignment`'s report.ipynb: `source`, else the kit's."""
+    source = source or SOURCES / assignment
     if not (source / f"{NOTEBOOK_ID}.ipynb").is_file():
         raise ValueError(f"{assignment} has no {NOTEBOOK_ID}.ipynb in {source}: restore it from git")
     return source
 
 
-def make_course(course: Path, assignments: list[str]) -> Path:
-    """A course working folder: the kit's config and sources, each assignment generated
-    (`nbgrader generate_assignment`: gradebook entries and release/<assignment>/)."""
-    sources = [assignment_source(a) for a in assignments]
+def make_course(course: Path, sources: dict[str, Path]) -> Path:
+    """A course working folder: the kit's config, each assignment's source (name -> its folder,
+    `assignment_source`) generated (`nbgrader generate_assignment`: gradebook entries and
+    release/<assignment>/)."""
     course.mkdir(parents=True, exist_ok=True)
     shutil.copy2(NBGRADER_CONFIG, course / "nbgrader_config.py")
-    for assignment, source in zip(assignments, sources):
+    for assignment, source in sources.items():
         shutil.rmtree(course / "source" / assignment, ignore_errors=True)
         shutil.copytree(source, course / "source" / assignment)
         nbgrader_api(course, "generate_assignment", assignment)
@@ -250,12 +249,12 @@ _TEMPLATES: dict[str, Path] = {}
 _GRADED: dict[tuple[str, str], _Graded] = {}  # (assignment, sha256 of the notebook) -> result
 
 
-def _template(assignment: str) -> Path:
+def _template(assignment: str, source: Path | None) -> Path:
     """A grader-private course with `assignment` generated, made once per process."""
     if assignment not in _TEMPLATES:
         root = make_private(tempfile.mkdtemp(prefix="onenode-course-"))
         atexit.register(shutil.rmtree, root, True)
-        _TEMPLATES[assignment] = make_course(root / "course", [assignment])
+        _TEMPLATES[assignment] = make_course(root / "course", {assignment: assignment_source(assignment, source)})
     return _TEMPLATES[assignment]
 
 
@@ -308,12 +307,13 @@ def _grade(template: Path, assignment: str, notebook: Path, logs: Path) -> _Grad
         shutil.rmtree(private, ignore_errors=True)
 
 
-def grade(notebook: Path | None, logs: Path, assignment: str) -> list[dict]:
+def grade(notebook: Path | None, logs: Path, assignment: str, source: Path | None = None) -> list[dict]:
     """Autograded points of a submission's report.ipynb as results.json test entries (tag
-    `notebook`); the executed notebook and nbgrader's feedback HTML go beside `logs/` (the
-    submission's output folder) as report_autograded.ipynb and report_feedback.html.
-    Identical notebooks are graded once per process (the demo cohort shares one)."""
-    template = _template(assignment)
+    `notebook`), against `assignment`'s source (`source`, else the kit's); the executed notebook
+    and nbgrader's feedback HTML go beside `logs/` (the submission's output folder) as
+    report_autograded.ipynb and report_feedback.html. Identical notebooks are graded once per
+    process (the demo cohort shares one)."""
+    template = _template(assignment, source)
     if notebook is None:
         return [_entry(name, 0, points, "report.ipynb is missing from the submission: add it and resubmit")
                 for name, points in autograded_cells(template, assignment).items()]

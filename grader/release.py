@@ -27,9 +27,8 @@ import tempfile
 from pathlib import Path
 
 from . import hints
-from .assignment import Handout
-from .assignments import ASSIGNMENTS
-from .notebook import NOTEBOOK_ID, make_course
+from .assignment import Assignment, Handout
+from .notebook import NOTEBOOK_ID, assignment_source, make_course
 from .rubric import KIT_ROOT, tomllib
 
 RECORDS = KIT_ROOT / "benchmarks" / "results"
@@ -117,10 +116,10 @@ def reference_lines(patch: str, starter: Path) -> set[str]:
     return {line for line in added if len(line) > MIN_LEAK_CHARS and line not in starter_text}
 
 
-def withheld_lines(assignment: str, starter: Path) -> set[str]:
+def withheld_lines(assignment: Assignment, starter: Path) -> set[str]:
     """The lines no release of `assignment` may hold: its hint ladders', and its own secrets
     given the starter the release carries (`starter`, its starter_code)."""
-    return hints.secret_lines(assignment) | ASSIGNMENTS[assignment].handout.secret_lines(starter)
+    return hints.secret_lines(assignment) | assignment.handout.secret_lines(starter)
 
 
 def leaks(bundle: Path, secret_lines: set[str]) -> list[str]:
@@ -176,17 +175,12 @@ def copy_linked_records(stage: Path) -> list[Path]:
     return sorted(copied)
 
 
-def starter_tree(assignment: str, dest: Path) -> Path:
-    """The starter students get for `assignment`, at `dest/starter_code`."""
-    return ASSIGNMENTS[assignment].handout.starter(dest)
-
-
-def build(assignment: str, stage: Path, course: Path) -> None:
+def build(assignment: Assignment, stage: Path, course: Path) -> None:
     """The student repository of `assignment` in the empty folder `stage`."""
-    handout = ASSIGNMENTS[assignment].handout
+    handout = assignment.handout
     work = Path(tempfile.mkdtemp(prefix="release-", dir=stage.parent))
     try:
-        starter_tree(assignment, work / "tree")
+        handout.starter(work / "tree")
         shutil.move(str(work / "tree" / "starter_code"), str(stage / "starter_code"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -204,19 +198,17 @@ def build(assignment: str, stage: Path, course: Path) -> None:
     (stage / "README.md").write_text(student_readme(handout, has_handout, has_tests))
     shutil.copy2(KIT_ROOT / ".gitignore", stage / ".gitignore")
     shutil.copy2(KIT_ROOT / "LICENSE", stage / "LICENSE")  # pyproject.toml names it
-    make_course(course, [assignment])
-    for path in (course / "release" / assignment).iterdir():
+    source = assignment_source(assignment.name, assignment.report_source)
+    make_course(course, {assignment.name: source})
+    for path in (course / "release" / assignment.name).iterdir():
         _copy(path, stage / path.name)
     if not (stage / f"{NOTEBOOK_ID}.ipynb").is_file():
-        raise ReleaseError(f"nbgrader released no {NOTEBOOK_ID}.ipynb for {assignment}: "
-                           f"check assignments/source/{assignment}/")
+        raise ReleaseError(f"nbgrader released no {NOTEBOOK_ID}.ipynb for {assignment.name}: check {source}")
 
 
-def release(assignment: str, out: Path, course: Path, force: bool = False) -> Path:
+def release(assignment: Assignment, out: Path, course: Path, force: bool = False) -> Path:
     """Build the student repository of `assignment` at `out` (atomically) and the nbgrader course
     at `course`; refuse to publish a bundle that leaks."""
-    if assignment not in ASSIGNMENTS:
-        raise ReleaseError(f"unknown assignment {assignment!r}: choose one of {', '.join(ASSIGNMENTS)}")
     out, course = out.resolve(), course.resolve()
     if course == out or out in course.parents or course in out.parents:
         raise ReleaseError(f"--course {course} and --out {out} must not contain each other: "
@@ -229,11 +221,11 @@ def release(assignment: str, out: Path, course: Path, force: bool = False) -> Pa
         build(assignment, stage, course)
         found = leaks(stage, withheld_lines(assignment, stage / "starter_code"))
         if found:
-            raise ReleaseError(f"the {assignment} release would leak ({len(found)} hits, first: {found[0]}): "
+            raise ReleaseError(f"the {assignment.name} release would leak ({len(found)} hits, first: {found[0]}): "
                                "fix the source")
         dead = dead_links(stage)
         if dead:
-            raise ReleaseError(f"the {assignment} release has {len(dead)} links to nothing inside it (first: "
+            raise ReleaseError(f"the {assignment.name} release has {len(dead)} links to nothing inside it (first: "
                                f"{dead[0]}): link a file the release carries, or a URL")
         if out.exists():
             shutil.rmtree(out)

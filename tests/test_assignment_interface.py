@@ -148,8 +148,8 @@ def test_a_registered_assignment_gets_its_command_demo_and_hints(a3, tmp_path, c
     capsys.readouterr()
     assert main(["hints", "a3", "--part", "1", "--rung", "1"]) == 0
     assert capsys.readouterr().out == f"**Part 1: the answer, hint 1 of 1**\n\n{HINT}\n"
-    assert hints.secret_lines("a3") == {HINT}
-    assert withheld_lines("a3", tmp_path / "starter_code") == {HINT, SECRET}
+    assert hints.secret_lines(a3) == {HINT}
+    assert withheld_lines(a3, tmp_path / "starter_code") == {HINT, SECRET}
 
 
 @pytest.mark.slow
@@ -157,7 +157,7 @@ def test_a_registered_assignment_releases_and_exports(a3, tmp_path):
     """nbgrader runs: the release of A3, then the grade sheet of its demo cohort, the assignment
     read from the results."""
     pytest.importorskip("nbgrader", reason="the course extra: pip install -e '.[course]'")
-    bundle = release("a3", tmp_path / "student", tmp_path / "course")
+    bundle = release(a3, tmp_path / "student", tmp_path / "course")
     assert (bundle / "a3_answer" / "README.md").read_text() == (a3.handout.folder / "README.md").read_text()
     assert (bundle / "report.ipynb").is_file() and (bundle / "starter_code" / "onenode" / "__init__.py").is_file()
     student_readme = (bundle / "README.md").read_text()

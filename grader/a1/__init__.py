@@ -10,11 +10,12 @@ unpatched starter with `a1_infra/`; the reference patch's own lines must not shi
 from __future__ import annotations
 
 import argparse
+import shutil
+import tempfile
 from pathlib import Path
 
 from ..assignment import Assignment, Demo, Handout
-from ..rubric import KIT_ROOT
-from ..submission import pristine_tree
+from ..submission import load_submission, patched_tree, pristine_tree
 from . import tables
 from .demo import SOLUTIONS, build_cohort
 from .job import A1Job, new_job
@@ -42,6 +43,17 @@ def reference_patch_lines(starter: Path) -> set[str]:
     return reference_lines((SOLUTIONS / "submission.patch").read_text(encoding="utf-8"), starter)
 
 
+def solution_starter(dest: Path) -> Path:
+    """The starter with the reference A1 solution applied, at `dest/starter_code` (what A2 starts
+    from); returns that folder."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="reference-a1-", dir=dest.parent))
+    try:
+        return patched_tree(load_submission(SOLUTIONS, work), dest)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 HANDOUT = Handout(
     title="A1: make the NemotronH training stack fast", folder=RUBRIC_PATH.parent,
     parts=("README.md", "rubric.toml", "tests"), starter=pristine_tree,
@@ -57,7 +69,6 @@ A1 = Assignment(
     rubric_path=RUBRIC_PATH, load_rubric=load_rubric, add_options=add_options, new_job=job_from_args, grade=grade,
     csv_columns=tables.csv_columns, table=tables.table, leaderboard_title="A1: a fast training stack",
     leaderboard_columns=tables.leaderboard_columns, leaderboard_plots=(("a1_throughput.png", tables.plot_throughput),),
-    handout=HANDOUT, report_source=KIT_ROOT / "assignments" / "source" / "a1",
-    demo=Demo(build_cohort, profile="cpu-tiny",
+    handout=HANDOUT, demo=Demo(build_cohort, profile="cpu-tiny",
               help="the example cohort of examples/a1-cohort/cohort.toml, built from solutions/a1, graded on CPU"),
 )

@@ -25,14 +25,10 @@ makes its rows. Students start from the fixed stack: the starter with the refere
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 from pathlib import Path
 
-from ..a1.demo import SOLUTIONS as A1_SOLUTIONS
+from ..a1 import solution_starter
 from ..assignment import Assignment, Handout
-from ..rubric import KIT_ROOT
-from ..submission import load_submission, patched_tree
 from . import tables
 from .job import A2Job, new_job, trained_run
 from .rubric import RUBRIC_PATH, A2Rubric, load_rubric
@@ -51,19 +47,9 @@ def job_from_args(rubric: A2Rubric, profile: str, workdir: Path, args: argparse.
     return new_job(rubric, profile, workdir, args.baseline, args.seed, notebooks=not args.no_notebook)
 
 
-def reference_a1_starter(dest: Path) -> Path:
-    """The starter with the reference A1 patch applied, at `dest/starter_code`."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="reference-a1-", dir=dest.parent))
-    try:
-        return patched_tree(load_submission(A1_SOLUTIONS, work), dest)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
 HANDOUT = Handout(
     title="A2: pretrain your own model", folder=RUBRIC_PATH.parent,
-    parts=("README.md", "rubric.toml", "recipes", "tests"), starter=reference_a1_starter,
+    parts=("README.md", "rubric.toml", "recipes", "tests"), starter=solution_starter,
     run=(".venv/bin/onenode train a2_pretrain/recipes/tiny.yaml --out runs/tiny   # a recipe end to end on CPU",),
     submit=("Hand in the final checkpoint (transformers layout), your recipe, the run manifest and logs, "
             "and `report.ipynb`.",),
@@ -76,5 +62,5 @@ A2 = Assignment(
     csv_columns=tables.csv_columns, table=tables.table, leaderboard_title="A2: pretraining within a token budget",
     leaderboard_columns=tables.leaderboard_columns,
     leaderboard_plots=(("a2_benchmarks.png", tables.plot_benchmarks), ("a2_loss.png", tables.plot_losses)),
-    handout=HANDOUT, report_source=KIT_ROOT / "assignments" / "source" / "a2",
+    handout=HANDOUT,
 )

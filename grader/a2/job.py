@@ -84,8 +84,8 @@ def a2_stack() -> Path:
     never with a submission's code. Returns the folder holding `starter_code/`."""
     from onenode.data.corpus import cache_dir
 
-    from ..a1.demo import SOLUTIONS as SOLUTIONS_A1
-    from ..release import starter_tree
+    from ..a1 import SOLUTIONS as SOLUTIONS_A1
+    from ..a1 import solution_starter
 
     digest = hashlib.sha256((SOLUTIONS_A1 / "submission.patch").read_bytes())
     for path in sorted((KIT_ROOT / "starter_code" / "onenode").rglob("*.py")):
@@ -95,7 +95,7 @@ def a2_stack() -> Path:
         folder.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=".build-", dir=folder.parent))
         try:
-            starter_tree("a2", work / "tree")
+            solution_starter(work / "tree")
             os.replace(work / "tree", folder)
         except OSError:  # another process finished it first
             if not (folder / "starter_code" / "onenode").is_dir():
