@@ -13,7 +13,8 @@ Then sessions, one after another: `{"session": spec}` is answered `{"ready": inf
 the clock on the answer `{"digest": ...}`: the inputs exist only from that moment. Closing
 stdin ends the child. After an error the parent discards the child. `{"release": true}` drops
 the session (and its GPU memory) and is answered `{"released": true}`: the starter's child waits
-so between the submissions it is timed beside.
+so between the submissions it is timed beside. A submission's child serves one session only
+(`grader/runner.py`): nothing of one session is left for the next.
 
 Sessions: "moe" runs one MoE layer forward+backward on `tokens` random tokens (rank 0 only);
 "train" runs optimizer steps of the whole model on 1 rank or on all (gloo or NCCL).
