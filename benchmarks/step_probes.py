@@ -21,30 +21,31 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
 - `compile-mode --mode M`: each layer compiled with `torch.compile(mode=M)`: `reduce-overhead`
   replays each compiled block as a CUDA graph, `max-autotune` adds kernel autotuning and CUDA graphs,
   `max-autotune-no-cudagraphs` the autotuning alone; with CUDA graphs each training step begins
-  with `torch.compiler.cudagraph_mark_step_begin()` (without it, 2026-12-01: "Unable to hit fast
-  path of CUDAGraphs because of pending, uninvoked backwards", 2,855 tokens/s at 1 x 4096);
-- `router-own-unit`: each MoE router gathered float32 as an FSDP unit of its own (the kit before
-  2026-12-01), not bf16 with the rest of its layer: the unit's hooks split a compiled MoE block in
-  three graphs;
-- `one-unit`: the whole model one FSDP unit, no unit per layer: on one GPU sharding frees nothing,
-  and each unit costs hooks and copy kernels per step;
-- `fsdp-one-rank`: one process laid out as before 2026-12-01, FSDP2's mixed precision over a group
-  of one rank, not `parallel/mixed_precision.py`'s bf16 copies (the same numbers); `one-unit` and
+  with `torch.compiler.cudagraph_mark_step_begin()`, or a graph waits on the backwards of the step
+  before instead of replaying;
+- `router-own-unit`: each MoE router gathered float32 as an FSDP unit of its own
+  (`fsdp.Units.routers_apart`), not bf16 with the rest of its layer: the unit's hooks split a
+  compiled MoE block in three graphs;
+- `one-unit`: the whole model one FSDP unit, no unit per layer (`fsdp.Units.per_layer`): on one
+  GPU sharding frees nothing, and each unit costs hooks and copy kernels per step;
+- `fsdp-one-rank`: one process laid out with FSDP2's mixed precision over a group of one rank,
+  not `parallel/mixed_precision.py`'s bf16 copies (the same numbers); `one-unit` and
   `router-own-unit` change only that layout: on one process, combine them with it;
-- `unfused-update`: one process in bf16 without `train/master_update.py`'s fused step: the
-  gradients cast to float32 on the masters, clipped, torch's fused AdamW, the copies cast again at
-  the next forward (the kit before 2026-12-01's fused update).
+- `unfused-update`: one process in bf16 without `train/master_update.py`'s fused step (`onenode
+  bench --unfused-update`): the gradients cast to float32 on the masters, clipped, torch's fused
+  AdamW, the copies cast again at the next forward.
 
 Probes combine: `fsdp-one-rank one-unit -- ...` applies both.
 
-The record's top-kernel list holds 80 kernels instead of 15. The results of 2026-12-01 are in
-`benchmarks/results/2026-12-01-h200-{loss-chunk,tf32,host-syncs}/`.
+The record's top-kernel list holds 80 kernels instead of 15. `benchmarks/README.md` lists the
+records made with these probes.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import sys
 import traceback
@@ -58,7 +59,6 @@ from onenode import bench
 from onenode.cli import main as onenode_main
 from onenode.model import loss
 from onenode.parallel import fsdp, layers
-from onenode.train import master_update
 
 
 def count_host_syncs() -> collections.Counter:
@@ -113,6 +113,7 @@ def main() -> int:
     split = argv.index("--") if "--" in argv else len(argv)  # after `--`: the bench's own options
     args = parser.parse_args(argv[:split])
     bench.top_kernels = functools.partial(bench.top_kernels, limit=80)
+    bench_options = argv[split + 1:]
     sites = None
     for probe in args.probes:
         if probe == "loss-chunk":
@@ -130,18 +131,18 @@ def main() -> int:
             if args.mode != "max-autotune-no-cudagraphs":
                 bench.train_step = marking_step_begin(bench.train_step)
         elif probe == "router-own-unit":
-            fsdp._router_needs_own_unit = lambda layer: True
+            fsdp.UNITS = dataclasses.replace(fsdp.UNITS, routers_apart=True)
         elif probe == "one-unit":
-            fsdp._layers = lambda model: []
+            fsdp.UNITS = dataclasses.replace(fsdp.UNITS, per_layer=False)
         elif probe == "fsdp-one-rank":
             onenode.parallel.apply_mixed_precision = fsdp_on_one_rank
         elif probe == "unfused-update":
-            master_update.applies = lambda *args: False
+            bench_options.append("--unfused-update")
         elif not torch.cuda.is_available():
             parser.error("host-syncs counts waits for a CUDA GPU: none is visible here")
         else:
             sites = count_host_syncs()
-    rc = onenode_main(["bench", *argv[split + 1:]])
+    rc = onenode_main(["bench", *bench_options])
     if sites is not None:
         print("\nhost syncs (count, where; compilation's own included):")
         for site, count in sites.most_common(10):

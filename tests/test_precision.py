@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from onenode import cli
 from onenode.model import build_model, get_preset
 from onenode.model.moe import TopKRouter
-from onenode.parallel import ParallelDims, ParallelModel, parallelize
+from onenode.parallel import ParallelDims, ParallelModel, fsdp, parallelize
 from onenode.parallel.fsdp import apply_fsdp_on_one_rank
 from onenode.parallel.layers import prepare_layers
 from onenode.train.recipe import load_recipe
@@ -110,6 +110,26 @@ def test_one_process_matches_fsdp_on_one_rank_bit_for_bit():
     assert len(addresses) == 6 and len(set(addresses)) == 1, addresses
 
 
+def test_fsdp_units_group_the_parameters_as_asked(monkeypatch):
+    """`fsdp.UNITS`: a unit per layer and the root (routers with their layer), the whole model one
+    unit, or every router a unit of its own."""
+    from torch.distributed.fsdp import FSDPModule
+
+    config = get_preset("tiny")
+
+    def units(grouping: fsdp.Units) -> set[str]:
+        monkeypatch.setattr(fsdp, "UNITS", grouping)
+        model = build_model(config, seed=0)
+        apply_fsdp_on_one_rank(model, torch.bfloat16)
+        return {name for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+
+    layers = {f"backbone.layers.{i}" for i in range(config.num_hidden_layers)}
+    routers = {name for name, m in build_model(config, device="meta").named_modules() if isinstance(m, TopKRouter)}
+    assert routers and units(fsdp.Units()) == {""} | layers
+    assert units(fsdp.Units(per_layer=False)) == {""}
+    assert units(fsdp.Units(routers_apart=True)) == {""} | layers | routers
+
+
 def test_bf16_train_step_trains_and_accumulates():
     config = get_preset("tiny")
     ids, labels = _batch(config, batch=4)
@@ -164,15 +184,13 @@ def _train_one_micro_batch(config, fused: bool, steps: int = 4, accumulation_ste
 
     ids, labels = _batch(config, batch=2)
     parallel = parallelize(build_model(config, seed=0), ParallelDims(), param_dtype=torch.bfloat16)
-    if not fused:  # the same layout, its master weights not handed to the step: the unfused update
-        parallel = ParallelModel(parallel.model)
     optimizer = build_optimizer(parallel, lr=3e-3)
     calls = []
     original = master_update.clip_and_update
     master_update.clip_and_update = lambda *args: calls.append(1) or original(*args)
     try:
-        records = [train_step(parallel, optimizer, ids, labels, grad_clip=0.5, accumulation_steps=accumulation_steps)
-                   for _ in range(steps)]
+        records = [train_step(parallel, optimizer, ids, labels, grad_clip=0.5, accumulation_steps=accumulation_steps,
+                              fused_update=fused) for _ in range(steps)]
     finally:
         master_update.clip_and_update = original
     return parallel, optimizer, records, len(calls)

@@ -187,7 +187,7 @@ def run(args) -> dict:
         input_ids, labels = (t.to(device, non_blocking=True) for t in next(batches))
         if args.cuda_graphs:  # a new step: replay the graphs, do not wait for the last step's backwards
             torch.compiler.cudagraph_mark_step_begin()
-        return train_step(model, optimizer, input_ids, labels, grad_clip=1.0)
+        return train_step(model, optimizer, input_ids, labels, grad_clip=1.0, fused_update=not args.unfused_update)
 
     from tqdm import tqdm
 
@@ -268,8 +268,8 @@ def run(args) -> dict:
         "config": dataclasses.asdict(config),
         "layout": {**layout, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
                    "activation_checkpointing": args.activation_checkpointing, "compile": args.compile,
-                   "cuda_graphs": args.cuda_graphs, "dtype": args.dtype, "optimizer": "adamw", "lr": args.lr,
-                   "seed": args.seed, "mamba_kernel": config.mamba_kernel},
+                   "cuda_graphs": args.cuda_graphs, "unfused_update": args.unfused_update, "dtype": args.dtype,
+                   "optimizer": "adamw", "lr": args.lr, "seed": args.seed, "mamba_kernel": config.mamba_kernel},
         "env": environment(world) | {"cuda": torch.version.cuda, "device_type": device.type},
         "steps": {"warmup": args.warmup, "measured": args.steps, "step_times_s": step_times,
                   "losses": losses, "profiled": args.profile_steps if split else 0},
@@ -366,6 +366,9 @@ def register(subparsers) -> None:
                    help="torch.compile per layer: mixers = all but MoE mixers, blocks = every block")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay each compiled layer as a CUDA graph (one GPU, one process, with --compile)")
+    p.add_argument("--unfused-update", action="store_true",
+                   help="one process in bf16: float32 gradients on the masters and torch's AdamW, not the fused "
+                        "update (train/master_update.py)")
     p.add_argument("--mamba-kernel", default=None, choices=["auto", "torch", "mamba_ssm"],
                    help="override the preset's Mamba2 scan")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],

@@ -13,9 +13,14 @@ hold the same experts ("dp_mod_ep"), so the layer's FSDP group leaves them out. 
 are divided by the whole dp size: each one already sums the contributions of the EP group
 (the all_to_all backward brings them), and FSDP sums the rest, so the result is the mean over
 every data-parallel rank, like the dense parameters.
+
+`UNITS` is how the parameters are grouped into units: the kit's grouping unless a benchmark sets
+another (`benchmarks/step_probes.py one-unit`, `router-own-unit`) to time it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,7 +32,7 @@ from ..model.moe import TopKRouter
 from .mesh import ParallelDims, dp_mesh
 
 
-def _layers(model: nn.Module) -> list[nn.Module]:
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers: the first list of modules named `layers` (this kit's `backbone.layers`, a
     pipeline stage's, transformers' `model.layers`); none for a model without one."""
     for name, module in model.named_modules():
@@ -36,13 +41,25 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def _router_needs_own_unit(layer: nn.Module) -> bool:
-    """FSDP2 wants one stored dtype per unit. Routers are built float32, in a model built bf16 too
-    (`build_model(dtype=...)`), whose layers must leave their routers to units of their own. Under
-    the kit's training precision (float32 masters, a bf16 `param_dtype`) a router is gathered bf16
-    with its layer and computes in float32 from that copy, as Megatron and torchtitan do: a unit of
-    its own would put FSDP's hooks inside the compiled block, two graph breaks per MoE block."""
+def stores_mixed_dtypes(layer: nn.Module) -> bool:
+    """Whether `layer` stores parameters of more than one dtype: routers are built float32, in a
+    model built bf16 too (`build_model(dtype=...)`). FSDP2 wants one stored dtype per unit, so such
+    a layer leaves its routers to units of their own. Under the kit's training precision (float32
+    masters, a bf16 `param_dtype`) a layer is one dtype: its router is gathered bf16 with it and
+    computes in float32 from that copy, as Megatron and torchtitan do. A unit of its own would put
+    FSDP's hooks inside the compiled block, two graph breaks per MoE block."""
     return len({p.dtype for p in layer.parameters()}) > 1
+
+
+@dataclass(frozen=True)
+class Units:
+    """How `apply_fsdp` groups a model's parameters into FSDP units."""
+
+    per_layer: bool = True  # a unit per decoder layer, then the root; False: the whole model one unit
+    routers_apart: bool = False  # every router a unit of its own, as stored; False: only where needed
+
+
+UNITS = Units()  # the grouping `apply_fsdp` uses
 
 
 def apply_fsdp(
@@ -73,8 +90,8 @@ def apply_fsdp(
             unit.set_gradient_divide_factor(float(dp_mesh.size()))
             if expert_mesh.size() > 1:  # sum, then divide: gloo has no PREMUL_SUM (one rank just divides)
                 unit.set_force_sum_reduction_for_comms(True)
-    for layer in _layers(model):
-        if _router_needs_own_unit(layer):
+    for layer in decoder_layers(model) if UNITS.per_layer else []:
+        if UNITS.routers_apart or stores_mixed_dtypes(layer):
             for module in layer.modules():
                 if isinstance(module, TopKRouter):
                     shard(module, dp_mesh, as_stored)

@@ -10,11 +10,6 @@ sit on the layer inside the checkpoint). As backward produces each copy's gradie
 its master's in float32 and freed, as FSDP reduces in float32; or, for a step of one micro-batch,
 left on the copy for `train/master_update.py`, which updates the masters and writes the copies in
 one pass (`MasterWeights.defer_grads`).
-
-Measured on one H200 (benchmarks/results/2026-12-01-h200-one-process): one sequence of 4096 tokens
-of the a1-1gpu model 1.54x faster than FSDP2 on one rank (`step_probes.py fsdp-one-rank`), 1.99x with
-CUDA graphs (`onenode bench --cuda-graphs`); with the fused update as well, 15.3% MFU
-(benchmarks/results/2026-12-01-h200-fused-update).
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ import torch
 from torch import nn
 
 from ..model.moe import TopKRouter
-from .fsdp import _layers, _router_needs_own_unit
+from .fsdp import decoder_layers, stores_mixed_dtypes
 
 
 def _add_grad_to(master: nn.Parameter, weights: MasterWeights):
@@ -110,7 +105,7 @@ def apply_mixed_precision(module: nn.Module, param_dtype: torch.dtype) -> Master
     """Run `module` in `param_dtype` over its float32 masters, in place: one unit per layer, one for
     the root; the routers of a layer built in mixed dtypes stay as stored (as `fsdp.apply_fsdp`
     keeps them). Returns the masters and their copies."""
-    kept = {id(p) for layer in _layers(module) if _router_needs_own_unit(layer)
+    kept = {id(p) for layer in decoder_layers(module) if stores_mixed_dtypes(layer)
             for m in layer.modules() if isinstance(m, TopKRouter) for p in m.parameters()}
     weights = MasterWeights()
 
@@ -129,7 +124,7 @@ def apply_mixed_precision(module: nn.Module, param_dtype: torch.dtype) -> Master
         return slots
 
     units, in_layers = [], set()
-    for layer in _layers(module):
+    for layer in decoder_layers(module):
         inner = getattr(layer, "_checkpoint_wrapped_module", layer)  # where a recompute calls forward
         in_layers.update(id(m) for m in layer.modules())
         units.append((inner, CastUnit(slots_of(layer.modules()))))

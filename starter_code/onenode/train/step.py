@@ -135,6 +135,7 @@ def train_step(
     accumulation_steps: int = 1,
     aux_loss_fn: Callable[[], torch.Tensor | None] | None = None,
     aux_loss_coef: float = 0.0,
+    fused_update: bool = True,
 ) -> dict:
     """One optimizer step on this rank's batch.
 
@@ -143,14 +144,16 @@ def train_step(
     micro-batches whose gradients add up; with pipeline parallelism the schedule splits it into its
     own microbatches instead. `aux_loss_fn` returns the auxiliary
     loss of the forward just run (`RouterBalancer.pop_aux_loss`); the objective adds it times
-    `aux_loss_coef`. Returns this rank's loss (mean over micro-batches; None on pipeline ranks
-    without the last stage), the global gradient norm before clipping and, with `aux_loss_fn`,
-    `aux_loss`.
+    `aux_loss_coef`. Where `train/master_update.py` applies (one process in bf16, one micro-batch,
+    AdamW), the clip and the update are its fused pass, unless `fused_update` is False: then the
+    masters take float32 gradients and the optimizer steps them. Returns this rank's loss (mean
+    over micro-batches; None on pipeline ranks without the last stage), the global gradient norm
+    before clipping and, with `aux_loss_fn`, `aux_loss`.
     """
     parallel = model if isinstance(model, ParallelModel) else ParallelModel(model)
     optimizer.zero_grad(set_to_none=True)
     weights = parallel.master_weights
-    fused = master_update.applies(weights, optimizer, accumulation_steps)
+    fused = fused_update and master_update.applies(weights, optimizer, accumulation_steps)
     if parallel.pipeline is not None:
         if accumulation_steps > 1 or aux_loss_fn is not None:
             raise ValueError("pipeline parallelism splits the batch into its own microbatches and computes the "
