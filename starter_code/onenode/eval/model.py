@@ -161,8 +161,7 @@ def _make_lm_class():
                     ids[b, :len(row)] = torch.tensor(row)  # right padding never reaches earlier positions
                 # Only the continuations' positions are scored, each row's as a view of the logits:
                 # the log-softmax and the greedy check stay on the model's device, and the host gets
-                # two numbers per request (the whole batch's float32 log-probabilities, padding
-                # included, used to be copied to it).
+                # two numbers per request, not the batch's log-probabilities.
                 logits = self.model(ids.to(self.device_)).logits
                 totals, greedy = [], []
                 for b, (first, continuation) in enumerate(spans):

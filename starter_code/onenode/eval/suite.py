@@ -161,7 +161,7 @@ def build_offline_suite(out: str | Path, docs: list[str] | None = None, items: i
 
 def task_manager(suite: str, tasks_dir: str | Path | None = None):
     """lm-eval's TaskManager for `suite`: the offline suite's tasks are all local, so lm-eval's own
-    ~15,000 task definitions are not indexed (about 15 s on a laptop core, at every evaluation)."""
+    task definitions (thousands of YAML files) are not indexed at every evaluation."""
     from lm_eval.tasks import TaskManager
 
     include = tasks_dir or (offline_suite_dir() if suite == "offline" else None)

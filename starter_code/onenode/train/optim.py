@@ -156,9 +156,8 @@ def build_adamw(named_parameters: Iterable[tuple[str, nn.Parameter]], lr: float,
     """AdamW with decoupled weight decay on matrices only. On CUDA its fused kernel (a few launches
     per step, DTensor parameters from FSDP2 and EP included). On CPU the foreach one, but a loop
     over the parameters where they are DTensors: DTensor works out the sharding of a foreach op
-    over many differently sharded tensors once per process, which took 4 s of a tiny model's first
-    step on 2 ranks (6 s against 2.3 s), more than the loop costs over a short CPU run (0.15 s a
-    step)."""
+    over many differently sharded tensors once per process, a cost in the first step that a short
+    CPU run does not win back from the foreach kernels."""
     groups = param_groups(named_parameters, weight_decay)
     params = [p for group in groups for p in group["params"]]
     cuda = all(p.device.type == "cuda" for p in params)
