@@ -75,7 +75,7 @@ def test_bf16_casts_once_per_step_over_float32_masters():
 
 
 def _fsdp_on_one_rank(model: torch.nn.Module) -> ParallelModel:
-    """The kit's one-process layout before 2026-12-01: FSDP2's mixed precision over a mesh of one."""
+    """FSDP2's mixed precision over a mesh of one: the layout several ranks get, in one process."""
     return ParallelModel(model, dp_mesh=apply_fsdp_on_one_rank(model, torch.bfloat16))
 
 
