@@ -104,7 +104,8 @@ def _add_demo(sub) -> None:
     demo = sub.add_parser("demo", help=f"build an example cohort and grade it (default: {demos[0].name})",
                           description="\n".join(f"{a.name}: {a.demo.help}" for a in demos),
                           conflict_handler="resolve")  # two assignments may add the same option
-    demo.add_argument("assignment", nargs="?", choices=[a.name for a in demos], default=demos[0].name)
+    demo.add_argument("assignment", nargs="?", choices=[a.name for a in demos], default=demos[0].name,
+                      help=f"whose example cohort (default: {demos[0].name}); --profile defaults to its own")
     for assignment in reversed(demos):  # the default's options and help come last and win
         _grading_options(demo, assignment, assignment.demo.profile)
     demo.set_defaults(func=_run_demo, profile=None, rubric=None)
