@@ -189,6 +189,17 @@ def test_a_megatron_prefix_needs_its_tokenizer_and_the_kit_train_split(tmp_path,
     assert next(MixtureLoader(kit_view, batch_size=1, seq_len=8, split="val"))[0].shape == (1, 8)
 
 
+def test_a_corrupt_megatron_index_is_one_clear_error(tmp_path, both_formats):
+    root, _ = both_formats
+    prefix = tmp_path / "train"
+    (tmp_path / "train.bin").write_bytes((root / "megatron" / "alpha" / "train.bin").read_bytes())
+    index = (root / "megatron" / "alpha" / "train.idx").read_bytes()
+    for broken in (b"not an index at all", index[:30], index[:9] + b"\x07" + index[10:]):
+        (tmp_path / "train.idx").write_bytes(broken)
+        with pytest.raises(ValueError, match="not a Megatron index"):
+            Shard(prefix, np.uint16)
+
+
 def test_a2_contamination_scans_megatron_shards_as_the_kits(both_formats):
     from grader.a2.contamination import flagged_documents, ngram_hashes
 

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import struct
 import warnings
 from pathlib import Path
 
@@ -83,16 +84,39 @@ def read_index(prefix: Path) -> tuple[np.dtype, np.ndarray]:
         if not Path(f"{prefix}{suffix}").is_file():
             raise FileNotFoundError(f"no Megatron dataset at {prefix}: {prefix}{suffix} is missing "
                                     "(a prefix names PREFIX.bin and PREFIX.idx)")
-    dataset = indexed_dataset().IndexedDataset(str(prefix), mmap=True)
-    dtype = np.dtype(dataset.index.dtype)
-    lengths = np.asarray(dataset.index.sequence_lengths, dtype=np.int64)
-    pointers = np.asarray(dataset.index.sequence_pointers, dtype=np.int64)
+    module = indexed_dataset()
+    _check_index_header(Path(f"{prefix}.idx"))
+    try:
+        dataset = module.IndexedDataset(str(prefix), mmap=True)
+        dtype = np.dtype(dataset.index.dtype)
+        lengths = np.asarray(dataset.index.sequence_lengths, dtype=np.int64)
+        pointers = np.asarray(dataset.index.sequence_pointers, dtype=np.int64)
+        documents = np.asarray(dataset.document_indices, dtype=np.int64)
+    except (AssertionError, struct.error, ValueError, KeyError) as e:  # megatron-core asserts on a bad header
+        raise ValueError(f"{prefix}.idx is not a Megatron index ({e or type(e).__name__}): rebuild it with "
+                         "megatron-core's IndexedDatasetBuilder") from None
     starts = np.concatenate([[0], np.cumsum(lengths)])
     if not np.array_equal(pointers, starts[:-1] * dtype.itemsize):
         raise ValueError(f"{prefix}.idx: its sequences are not stored one after another in {prefix}.bin; "
                          "rewrite it with megatron-core's IndexedDatasetBuilder")
-    documents = np.asarray(dataset.document_indices, dtype=np.int64)
+    if documents[0] != 0 or documents[-1] != len(lengths) or np.any(np.diff(documents) < 0):
+        raise ValueError(f"{prefix}.idx: its documents do not cover its sequences in order; rebuild it")
     return dtype, starts[documents]
+
+
+def _check_index_header(path: Path) -> None:
+    """Refuse a file that is not a version-1 index holding the arrays its header counts, before
+    megatron-core reads it (which asserts, and warns again as it is collected)."""
+    with path.open("rb") as f:
+        head = f.read(34)  # magic (9), version <Q, dtype code <B, sequence count <Q, document count <Q
+    size = path.stat().st_size
+    ok = len(head) == 34 and head[:9] == b"MMIDIDX\x00\x00" and struct.unpack("<Q", head[9:17])[0] == 1
+    if ok:
+        sequences, documents = struct.unpack("<QQ", head[18:34])
+        ok = size >= 34 + sequences * 12 + documents * 8
+    if not ok:
+        raise ValueError(f"{path} is not a Megatron index (no version-1 header with its arrays): rebuild it with "
+                         "megatron-core's IndexedDatasetBuilder")
 
 
 def megatron_data_folder(prefix: str | Path) -> Path:
