@@ -249,7 +249,7 @@ _TEMPLATES: dict[str, Path] = {}
 _GRADED: dict[tuple[str, str], _Graded] = {}  # (assignment, sha256 of the notebook) -> result
 
 
-def _template(assignment: str, source: Path | None) -> Path:
+def _template(assignment: str, source: Path | None = None) -> Path:
     """A grader-private course with `assignment` generated, made once per process."""
     if assignment not in _TEMPLATES:
         root = make_private(tempfile.mkdtemp(prefix="onenode-course-"))
