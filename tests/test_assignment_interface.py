@@ -16,6 +16,7 @@ import pytest
 from grader import hints
 from grader.assignments import ASSIGNMENTS
 from grader.cli import build_parser, main
+from grader.export import results_assignment
 from grader.release import release, withheld_lines
 
 SECRET = "the answer is forty-two, worked out the long way"
@@ -150,6 +151,19 @@ def test_a_registered_assignment_gets_its_command_demo_and_hints(a3, tmp_path, c
     assert capsys.readouterr().out == f"**Part 1: the answer, hint 1 of 1**\n\n{HINT}\n"
     assert hints.secret_lines(a3) == {HINT}
     assert withheld_lines(a3, tmp_path / "starter_code") == {HINT, SECRET}
+
+
+def test_the_grade_sheet_reads_the_assignment_from_the_results(a3, tmp_path):
+    def graded(name: str, label: str) -> None:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"extra_data": {"assignment": label}}))
+
+    graded("ann", "A3")
+    graded("bob", "A3")
+    assert results_assignment(tmp_path) == "a3"
+    graded("cyd", "A1")
+    with pytest.raises(ValueError, match="pass --assignment"):
+        results_assignment(tmp_path)
 
 
 @pytest.mark.slow
