@@ -119,7 +119,7 @@ def _megatron_lm_prefix(tmp_path, dtype=np.uint16):
 
 
 def test_the_kit_reads_megatron_lm_data_in_its_seeded_resumable_order(tmp_path, monkeypatch):
-    from onenode.data.megatron import megatron_data_folder
+    from onenode.data.megatron_source import megatron_data_folder
 
     monkeypatch.setenv("ONENODE_CACHE", str(tmp_path / "cache"))
     prefix, tokenizer, documents = _megatron_lm_prefix(tmp_path)
@@ -174,7 +174,7 @@ def test_the_trainer_trains_on_a_megatron_prefix(tmp_path, monkeypatch):
 
 
 def test_a_megatron_prefix_needs_its_tokenizer_and_the_kit_train_split(tmp_path, monkeypatch, both_formats):
-    from onenode.data.megatron import megatron_data_folder
+    from onenode.data.megatron_source import megatron_data_folder
 
     monkeypatch.setenv("ONENODE_CACHE", str(tmp_path / "cache"))
     prefix, _, _ = _megatron_lm_prefix(tmp_path)

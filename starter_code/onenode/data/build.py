@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from onenode.data.corpus import FetchError
 from onenode.data.curation import build_filters, doc_hash
-from onenode.data.megatron import MegatronWriter, indexed_dataset, megatron_dtype
+from onenode.data.megatron import indexed_dataset, megatron_dtype
 from onenode.data.shards import MANIFEST, SPLITS, ShardWriter, dtype_for
 from onenode.data.sources import SourceError, iter_source
 from onenode.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
@@ -144,7 +144,6 @@ def build(config: str | Path | dict, out: str | Path, command: str | None = None
         train_files = [text_dir / f"{name}.train.jsonl" for name in sources]
         tokenizer = _resolve_tokenizer(config["tokenizer"], out, train_files, log)
     dtype = np.dtype(config.get("dtype") or dtype_for(tokenizer.vocab_size))
-    writer_class = MegatronWriter if megatron else ShardWriter
     if megatron:
         dtype = megatron_dtype(dtype)
 
@@ -152,7 +151,7 @@ def build(config: str | Path | dict, out: str | Path, command: str | None = None
     for name, entry in sources.items():
         entry["splits"] = {}
         for split in SPLITS:
-            writer = writer_class(out / name / split, dtype, tokenizer.eos_id)
+            writer = ShardWriter(out / name / split, dtype, tokenizer.eos_id, megatron=megatron)
             texts = _read_texts(text_dir / f"{name}.{split}.jsonl")
             with tqdm(total=entry["documents_kept"][split], desc=f"tokenize {name}/{split}",
                       unit="doc", leave=False, disable=None) as progress:

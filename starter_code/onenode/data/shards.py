@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from onenode.data.megatron import indexed_dataset, megatron_dtype, read_index
+
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 
@@ -33,12 +35,17 @@ def dtype_for(vocab_size: int) -> np.dtype:
 
 
 class ShardWriter:
-    """Appends tokenized documents (EOS added) to `<prefix>.bin`; `close()` writes the index."""
+    """Appends tokenized documents (EOS added) to `<prefix>.bin`; `close()` writes the index: the
+    kit's `<prefix>.idx.npy`, or with `megatron=True` Megatron's `<prefix>.idx`, the `.bin` then
+    written by megatron-core's `IndexedDatasetBuilder` (one document one sequence)."""
 
-    def __init__(self, prefix: Path, dtype: np.dtype, eos_id: int):
-        self.prefix, self.dtype, self.eos_id = Path(prefix), np.dtype(dtype), eos_id
+    def __init__(self, prefix: Path, dtype: np.dtype, eos_id: int, megatron: bool = False):
+        self.prefix, self.eos_id = Path(prefix), eos_id
+        self.dtype = megatron_dtype(dtype) if megatron else np.dtype(dtype)
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.prefix.with_suffix(".bin"), "wb")
+        bin_path = str(self.prefix.with_suffix(".bin"))
+        self._builder = indexed_dataset().IndexedDatasetBuilder(bin_path, dtype=self.dtype.type) if megatron else None
+        self._file = None if megatron else open(bin_path, "wb")
         self._offsets = [0]
         self._limit = np.iinfo(self.dtype).max
         self._check(np.array([eos_id]))
@@ -53,13 +60,19 @@ class ShardWriter:
     def write(self, ids: list[int]) -> None:
         arr = np.asarray([*ids, self.eos_id], dtype=np.int64)
         self._check(arr)
-        self._file.write(arr.astype(self.dtype).tobytes())
+        if self._builder is not None:
+            self._builder.add_document(arr, [len(arr)])
+        else:
+            self._file.write(arr.astype(self.dtype).tobytes())
         self._offsets.append(self._offsets[-1] + len(arr))
 
     def close(self) -> dict:
         """Finish the files; returns the split's counts and content hash for the manifest."""
-        self._file.close()
-        np.save(self.prefix.with_suffix(".idx.npy"), np.asarray(self._offsets, dtype=np.int64))
+        if self._builder is not None:
+            self._builder.finalize(str(self.prefix.with_suffix(".idx")))
+        else:
+            self._file.close()
+            np.save(self.prefix.with_suffix(".idx.npy"), np.asarray(self._offsets, dtype=np.int64))
         return {"documents": len(self._offsets) - 1, "tokens": self._offsets[-1],
                 "sha256": file_sha256(self.prefix.with_suffix(".bin"))}
 
@@ -83,8 +96,6 @@ class Shard:
         if idx_path.exists():
             self.offsets = np.load(idx_path)
         else:  # Megatron's index (`onenode data build --format megatron`)
-            from onenode.data.megatron import read_index
-
             stored, self.offsets = read_index(Path(prefix))
             if stored != np.dtype(dtype):
                 raise ValueError(f"{megatron_idx} stores {stored.name} tokens where the manifest says "

@@ -68,7 +68,7 @@ def recipe_data_dir(recipe, root: str | Path = ".") -> Path | None:
     if recipe.data.source == "shards":
         return Path(root) / recipe.data.path
     if recipe.data.source == "megatron":
-        from ..data.megatron import megatron_data_folder
+        from ..data.megatron_source import megatron_data_folder
 
         return megatron_data_folder(Path(root) / recipe.data.path)
     if recipe.data.source == "config":

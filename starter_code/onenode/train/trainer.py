@@ -142,7 +142,7 @@ class Trainer:
         if d.source == "shards":
             folder = Path(d.path)
         elif d.source == "megatron":
-            from ..data.megatron import megatron_data_folder
+            from ..data.megatron_source import megatron_data_folder
 
             try:
                 folder = megatron_data_folder(d.path)
