@@ -25,6 +25,7 @@ EXTRAS = {
     "datasets": "hub",
     "lm_eval": "eval", "accelerate": "eval",
     "nbgrader": "course", "jupyter": "course", "matplotlib": "course", "nbformat": "course", "nbclient": "course",
+    "megatron": "megatron",  # megatron-core
 }
 
 
