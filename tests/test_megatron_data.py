@@ -2,7 +2,7 @@
 with `--format megatron` is what megatron-core reads, token for token; what megatron-core's builder
 wrote (documents of several sequences, as Megatron-LM's preprocessing splits sentences) the kit
 trains on in the seeded, resumable order of its own shards; the A2 contamination scan sees the same
-documents; without megatron-core both routes stop with one line saying what to install.
+read it as the kit's shards; without megatron-core both routes stop with one line saying what to install.
 
 CI installs the [megatron] extra, so there a missing megatron-core fails these tests instead of
 skipping them."""
@@ -200,15 +200,30 @@ def test_a_corrupt_megatron_index_is_one_clear_error(tmp_path, both_formats):
             Shard(prefix, np.uint16)
 
 
-def test_a2_contamination_scans_megatron_shards_as_the_kits(both_formats):
-    from grader.a2.contamination import flagged_documents, ngram_hashes
+def test_the_a2_audit_and_contamination_check_read_megatron_shards(both_formats, tmp_path):
+    """The run's loader names the shards; the audit finds and hashes them in the submitted data/,
+    and the contamination check finds a training document that the evaluation text quotes."""
+    from grader.a2.audit import trained_shards
+    from grader.a2.contamination import contamination
+    from grader.a2.intake import A2Submission, Link
+    from onenode.data.tokenizer import data_tokenizer
 
     root, manifests = both_formats
-    document = Shard(root / "onenode" / "beta" / "train", np.uint16).document(4)
-    wanted = ngram_hashes(np.asarray(document[:20]), 13)
-    found = {fmt: flagged_documents({name: root / fmt / name / "train.bin" for name in WEIGHTS},
-                                    manifests[fmt]["dtype"], wanted, 13) for fmt in ("onenode", "megatron")}
-    assert found["onenode"] == found["megatron"] and found["megatron"]["beta"] >= 1
+    found = {}
+    for fmt in ("onenode", "megatron"):
+        data = root / fmt
+        settings = MixtureLoader(data, batch_size=2, seq_len=16).state_dict()["settings"]
+        sub = A2Submission(fmt, tmp_path, tmp_path, tmp_path, tmp_path, tmp_path, None, data,
+                           [Link(tmp_path / "step_00000001", {"step": 1, "loader": {"settings": settings}})],
+                           {}, [], manifests[fmt])
+        shards, check = trained_shards(sub)
+        assert check.ok and set(shards) == set(WEIGHTS), check.detail
+        quoted = data_tokenizer(data).decode(Shard(data / "beta" / "train", np.dtype(manifests[fmt]["dtype"]))
+                                             .document(4).tolist()[:-1])
+        clean, dirty = contamination(sub, shards, ["nothing of the data here"]), contamination(sub, shards, [quoted])
+        assert clean.ok and not dirty.ok, (clean.detail, dirty.detail)
+        found[fmt] = dirty.detail
+    assert found["onenode"] == found["megatron"]
 
 
 def test_without_megatron_core_both_routes_say_what_to_install(tmp_path, monkeypatch, capsys):
