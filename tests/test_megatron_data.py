@@ -1,8 +1,9 @@
 """Megatron's indexed dataset format both ways, through megatron-core itself: what the kit writes
 with `--format megatron` is what megatron-core reads, token for token; what megatron-core's builder
 wrote (documents of several sequences, as Megatron-LM's preprocessing splits sentences) the kit
-trains on in the seeded, resumable order of its own shards; the A2 contamination scan sees the same
-read it as the kit's shards; without megatron-core both routes stop with one line saying what to install.
+trains on in the seeded, resumable order of its own shards; the A2 audit and contamination check
+read it as the kit's shards; without megatron-core both routes stop with one line saying what to
+install.
 
 CI installs the [megatron] extra, so there a missing megatron-core fails these tests instead of
 skipping them."""
