@@ -3,7 +3,9 @@
 #   cluster/train_torchrun.sh a2_pretrain/recipes/baseline.yaml --out runs/baseline [--set key=value ...]
 # NPROC (default: all visible GPUs) picks how many; the run resumes from its latest checkpoint.
 # Under SLURM with several nodes, cluster/train_multinode.sbatch calls this script once per node
-# with NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT set.
+# with NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT set (c10d's rendezvous numbers the nodes
+# itself, so torchrun notes that it ignores NODE_RANK). tests/test_multinode.py runs two such
+# nodes on one machine.
 set -euo pipefail
 if [ $# -lt 1 ]; then
     echo "usage: $0 RECIPE.yaml [onenode train options]" >&2
