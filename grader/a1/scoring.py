@@ -144,7 +144,7 @@ def _traffic(run: SessionResult, warmup: int) -> float:
 
 
 def _checked(run: SessionResult, error: float, rtol: float) -> str:
-    return (f"loss and gradient norm over {len(run.digests)} optimizer steps vs the reference layout: "
+    return (f"loss and gradient norm over {len(run.digests)} optimizer steps vs the starter's on the same seeds: "
             f"worst relative error {error:.2g} (tolerance {rtol:g})")
 
 

@@ -1,7 +1,9 @@
-"""Where the public tests and the grader find the parts of your model that they check.
+"""Where the public tests find the parts of your model that they check.
 
-They reach the routed experts only through these functions, so a MoE is graded on what it
-computes, not on what its parameters are called. If you store the experts differently (other
+They reach the routed experts only through these functions, so a MoE is tested on what it
+computes, not on what its parameters are called. (The grader does not call them: it finds each
+expert's weights among the layer's parameters by their values, as it loaded them, and reads the
+gradients there.) If you store the experts differently (other
 names, another layout, a padded batch), change these functions so they still return the same
 numbers in the layout below.
 
