@@ -27,10 +27,10 @@ def _safetensors_numel(folder: Path) -> int:
     """Parameters stored in a checkpoint, from the safetensors headers (nothing is loaded)."""
     from safetensors import safe_open
 
-    from onenode.model.hf_io import _weight_files
+    from onenode.model.hf_io import weight_files
 
     total = 0
-    for path in _weight_files(folder):
+    for path in weight_files(folder):
         with safe_open(str(path), "pt") as f:
             total += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     return total

@@ -117,7 +117,7 @@ def _plain_name(name: str) -> str:
 def step_allowances(trainer) -> dict[str, tuple[float, float]]:
     """For every trained weight, (the most one step moves it per unit of learning rate, its
     weight decay), from the grader's own optimizer of the recipe."""
-    from onenode.train.optim import Muon, _lr_ratio, optimizers_of
+    from onenode.train.optim import Muon, muon_lr_scale, optimizers_of
 
     names = {id(param): _plain_name(name) for name, param in trainer.parallel.model.named_parameters()}
     allowances = {}
@@ -126,7 +126,7 @@ def step_allowances(trainer) -> dict[str, tuple[float, float]]:
             for param in group["params"]:
                 if isinstance(optimizer, Muon):
                     unit = newton_schulz_gain(group["ns_coefficients"], group["ns_steps"]) \
-                        * _lr_ratio(group["adjust_lr_fn"], param.shape)
+                        * muon_lr_scale(group["adjust_lr_fn"], param.shape)
                 else:
                     unit = adamw_step_bound(*group["betas"], trainer.total_steps)
                 allowances[names[id(param)]] = (unit, group["weight_decay"])

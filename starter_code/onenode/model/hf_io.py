@@ -153,9 +153,6 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-_weight_files = weight_files  # the old name, until grader/a2/audit.py imports weight_files
-
-
 def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a (possibly sharded) safetensors checkpoint folder, on the CPU."""
     from safetensors import SafetensorError

@@ -85,9 +85,6 @@ def muon_lr_scale(adjust_lr_fn: str | None, shape: torch.Size) -> float:
     return math.sqrt(max(1, rows / cols))  # Keller Jordan's original scaling
 
 
-_lr_ratio = muon_lr_scale  # the old name, until grader/a2/replay_harness.py imports muon_lr_scale
-
-
 class Muon(torch.optim.Muon):
     """`torch.optim.Muon`, orthogonalising each sharded matrix whole (see the module docstring).
 
