@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from synthetic_sources import write_sources
 
 from onenode.data.build import build
 from onenode.data.loader import MixtureLoader
@@ -17,16 +18,7 @@ WEIGHTS = {"alpha": 0.5, "beta": 0.3, "gamma": 0.2}
 def data_dir(tmp_path_factory):
     """Three sources of distinct synthetic documents, tokenized by a tiny trained BPE."""
     root = tmp_path_factory.mktemp("mixture")
-    rng = np.random.default_rng(0)
-    vocabulary = [f"w{i}" for i in range(200)]
-    sources = {}
-    for name, weight in WEIGHTS.items():
-        path = root / f"{name}.jsonl"
-        with path.open("w") as f:
-            for doc in range(40):
-                words = rng.choice(vocabulary, size=int(rng.integers(5, 120)))
-                f.write(json.dumps({"text": f"{name} {doc} " + " ".join(words)}) + "\n")
-        sources[name] = {"kind": "files", "paths": [str(path)], "weight": weight}
+    sources = write_sources(root, WEIGHTS, docs=40, vocabulary=200, max_words=120)
     manifest = build({"tokenizer": {"train_bpe": {"vocab_size": 400}}, "val_fraction": 0.1,
                       "sources": sources}, root / "data", command="test")
     trained = data_tokenizer(root / "data")  # trained on the curated text, hash-checked

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from synthetic_sources import write_sources
 
 from onenode.cli import main
 from onenode.data.build import build
@@ -39,27 +40,13 @@ def megatron_indexed_dataset():
     return indexed_dataset
 
 
-def _write_sources(root):
-    rng = np.random.default_rng(0)
-    vocabulary = [f"w{i}" for i in range(150)]
-    sources = {}
-    for name, weight in WEIGHTS.items():
-        path = root / f"{name}.jsonl"
-        with path.open("w") as f:
-            for doc in range(30):
-                words = rng.choice(vocabulary, size=int(rng.integers(5, 90)))
-                f.write(json.dumps({"text": f"{name} {doc} " + " ".join(words)}) + "\n")
-        sources[name] = {"kind": "files", "paths": [str(path)], "weight": weight}
-    return sources
-
-
 @pytest.fixture(scope="module")
 def both_formats(tmp_path_factory):
     """One data config built twice: the kit's own shards, and Megatron's format."""
     megatron_indexed_dataset()
     root = tmp_path_factory.mktemp("megatron")
     config = {"tokenizer": {"train_bpe": {"vocab_size": 300}}, "val_fraction": 0.15,
-              "sources": _write_sources(root)}
+              "sources": write_sources(root, WEIGHTS, docs=30, vocabulary=150, max_words=90)}
     manifests = {fmt: build({**config, "format": fmt}, root / fmt, command="test", log=lambda *_: None)
                  for fmt in ("onenode", "megatron")}
     return root, manifests
@@ -234,7 +221,7 @@ def test_without_megatron_core_both_routes_say_what_to_install(tmp_path, monkeyp
     for name, module in NO_MEGATRON.items():
         monkeypatch.setitem(sys.modules, name, module)
     config = tmp_path / "data.yaml"
-    config.write_text(json.dumps({"sources": _write_sources(tmp_path)}))
+    config.write_text(json.dumps({"sources": write_sources(tmp_path, WEIGHTS, docs=30, vocabulary=150, max_words=90)}))
     assert main(["data", "build", str(config), "--out", str(tmp_path / "out"), "--format", "megatron"]) == 1
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and "pip install -e '.[megatron]'" in error
