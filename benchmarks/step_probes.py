@@ -18,11 +18,9 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
   (`torch.cuda.set_sync_debug_mode`), printed after the bench's table;
 - `cpp-wrapper`: inductor's C++ wrapper launches a compiled block's kernels (its default, a Python
   wrapper, costs host time per kernel: the launch overhead a one-sequence step is bound by);
-- `compile-mode --mode M`: each layer compiled with `torch.compile(mode=M)`: `reduce-overhead`
-  replays each compiled block as a CUDA graph, `max-autotune` adds kernel autotuning and CUDA graphs,
-  `max-autotune-no-cudagraphs` the autotuning alone; with CUDA graphs each training step begins
-  with `torch.compiler.cudagraph_mark_step_begin()`, or a graph waits on the backwards of the step
-  before instead of replaying;
+- `compile-mode --mode M`: each layer compiled with `torch.compile(mode=M)` (`onenode bench
+  --compile-mode M`): `reduce-overhead` replays each compiled block as a CUDA graph, `max-autotune`
+  adds kernel autotuning and CUDA graphs, `max-autotune-no-cudagraphs` the autotuning alone;
 - `router-own-unit`: each MoE router gathered float32 as an FSDP unit of its own
   (`fsdp.Units.routers_apart`), not bf16 with the rest of its layer: the unit's hooks split a
   compiled MoE block in three graphs;
@@ -58,7 +56,7 @@ import onenode.parallel
 from onenode import bench
 from onenode.cli import main as onenode_main
 from onenode.model import loss
-from onenode.parallel import fsdp, layers
+from onenode.parallel import fsdp
 
 
 def count_host_syncs() -> collections.Counter:
@@ -77,27 +75,10 @@ def count_host_syncs() -> collections.Counter:
     return sites
 
 
-def compile_forward_in_mode(module: torch.nn.Module, backend: str, mode: str) -> None:
-    """`layers._compile_forward` with torch.compile's `mode`."""
-    module.forward = torch.compile(module.forward, backend=backend, mode=mode)
-
-
 def fsdp_on_one_rank(model: torch.nn.Module, param_dtype: torch.dtype) -> None:
     """In `apply_mixed_precision`'s place: FSDP2 on a group of one, no master weights handed back
     (so no fused update either)."""
     fsdp.apply_fsdp_on_one_rank(model, param_dtype)
-
-
-def marking_step_begin(train_step):
-    """`train_step` that first tells CUDA graph trees a new iteration begins, so each block's graph
-    replays instead of waiting on the backwards of the step before."""
-
-    @functools.wraps(train_step)
-    def step(*args, **kwargs):
-        torch.compiler.cudagraph_mark_step_begin()
-        return train_step(*args, **kwargs)
-
-    return step
 
 
 def main() -> int:
@@ -127,9 +108,7 @@ def main() -> int:
         elif probe == "compile-mode":
             if args.mode is None:
                 parser.error("compile-mode needs --mode")
-            layers._compile_forward = functools.partial(compile_forward_in_mode, mode=args.mode)
-            if args.mode != "max-autotune-no-cudagraphs":
-                bench.train_step = marking_step_begin(bench.train_step)
+            bench_options += ["--compile-mode", args.mode]
         elif probe == "router-own-unit":
             fsdp.UNITS = dataclasses.replace(fsdp.UNITS, routers_apart=True)
         elif probe == "one-unit":

@@ -154,8 +154,9 @@ def one_process_step_graph_breaks(checkpointed: bool = False) -> dict:
 
 
 def test_cuda_graphs_compile_every_block_to_replay(monkeypatch):
-    """`prepare_layers(cuda_graphs=True)` compiles each block in inductor's reduce-overhead mode
-    (CUDA graphs; on a GPU only, so the wiring is what a CPU can check), and refuses without compile."""
+    """`prepare_layers(compile_mode="reduce-overhead")` compiles each block in that mode (CUDA graphs;
+    on a GPU only, so the wiring is what a CPU can check), and refuses without compile; another mode
+    is passed through the same way."""
     import torch
 
     from onenode.model import build_model, get_preset
@@ -164,13 +165,18 @@ def test_cuda_graphs_compile_every_block_to_replay(monkeypatch):
     modes = []
     monkeypatch.setattr(torch, "compile", lambda fn, backend, mode: modes.append(mode) or fn)
     model = build_model(get_preset("tiny"), seed=0)
-    layers.prepare_layers(model, compile="blocks", cuda_graphs=True)
+    layers.prepare_layers(model, compile="blocks", compile_mode="reduce-overhead")
     assert modes == ["reduce-overhead"] * len(model.backbone.layers)
     modes.clear()
     layers.prepare_layers(build_model(get_preset("tiny"), seed=0), compile="blocks")
     assert set(modes) == {None}
+    modes.clear()
+    layers.prepare_layers(build_model(get_preset("tiny"), seed=0), compile="mixers",
+                          compile_mode="max-autotune-no-cudagraphs")
+    assert set(modes) == {"max-autotune-no-cudagraphs"} and 0 < len(modes) < len(model.backbone.layers)
     with pytest.raises(ValueError, match="CUDA graphs replay compiled layers"):
-        layers.prepare_layers(model, cuda_graphs=True)
+        layers.prepare_layers(model, compile_mode="reduce-overhead")
+    assert layers.uses_cuda_graphs("max-autotune") and not layers.uses_cuda_graphs("max-autotune-no-cudagraphs")
 
 
 @pytest.mark.parametrize(("layout", "checkpointed"), [("sharded_step_graph_breaks", False),

@@ -145,3 +145,47 @@ def test_the_checks_find_a_cycle(tmp_path):
     assert import_alone(["loop.a", "loop.b"], [tmp_path]) == {}  # the lazy import does not fail at import time
     (package / "b.py").write_text("from loop.a import A\nB = 2\n")
     assert "partially initialized module" in import_alone(["loop.b", "loop.a"], [tmp_path])["loop.a"]
+
+
+def private_uses(name: str, path: Path, known: dict[str, Path]) -> list[str]:
+    """`module._name` uses in module `name` of another kit module's private names (from-imports
+    of them, or attributes read through an imported module)."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    aliases: dict[str, str] = {}  # local name -> the kit module it is bound to
+    found = []
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update({alias.asname: alias.name for alias in node.names if alias.asname and alias.name in known})
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1] if node.level else [])
+            module = ".".join(p for p in (base, node.module or "") if p)
+            for alias in node.names:
+                if f"{module}.{alias.name}" in known:
+                    aliases[alias.asname or alias.name] = f"{module}.{alias.name}"
+                elif module in known and module != name and alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{module}.{alias.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__") and aliases[node.value.id] != name):
+            found.append(f"{aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    """A private name stays inside its module: what another module needs is public, named for what
+    it is (benchmarks' probes included: they set options rather than patch internals)."""
+    known = {**modules(PACKAGES["grader"]), **modules(PACKAGES["onenode"])}
+    users = dict(known)
+    users.update({f"benchmarks.{p.stem}": p for p in sorted((ROOT / "benchmarks").glob("*.py"))})
+    uses = {name: private_uses(name, path, known) for name, path in users.items()}
+    assert not {name: found for name, found in uses.items() if found}
+
+
+def test_private_uses_sees_both_forms(tmp_path):
+    """The check above finds a from-import of a private name and an attribute read through a module."""
+    source = tmp_path / "probe.py"
+    source.write_text("from onenode.parallel import fsdp\nfrom onenode.model.hf_io import _x\nfsdp._layers\n")
+    known = modules(PACKAGES["onenode"])
+    assert sorted(private_uses("benchmarks.probe", source, known)) == ["onenode.model.hf_io._x",
+                                                                       "onenode.parallel.fsdp._layers"]

@@ -35,7 +35,7 @@ from .model.config import PRESETS
 from .model.nemotron_h import CausalLMOutput
 from .parallel import ParallelDims, ParallelModel, parallelize
 from .parallel.distributed import init_distributed, local_device
-from .parallel.layers import prepare_layers
+from .parallel.layers import prepare_layers, uses_cuda_graphs
 from .profiling import (
     format_top_kernels,
     kernel_mix,
@@ -109,12 +109,14 @@ def prepare_model(args, config, world: int, device: torch.device,
                          "launch with torchrun --nproc-per-node DP*PP")
     if args.ep > 1 and world == 1:
         raise SystemExit(f"--ep {args.ep} needs as many processes: launch with torchrun --nproc-per-node {args.ep}")
-    if args.cuda_graphs and (world > 1 or device.type != "cuda" or args.compile == "off"):
+    if uses_cuda_graphs(args.compile_mode) and (world > 1 or device.type != "cuda" or args.compile == "off"):
         raise SystemExit("--cuda-graphs replays compiled layers on one GPU: add --compile blocks and run one "
                          "process on a CUDA device (under FSDP the graphs would be recorded again every step)")
+    if args.compile_mode is not None and args.compile == "off":
+        raise SystemExit(f"--compile-mode {args.compile_mode} applies to compiled layers: add --compile blocks")
     model = build_model(config, seed=args.seed, device=device)
     prepare_layers(model, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
-                   cuda_graphs=args.cuda_graphs)
+                   compile_mode=args.compile_mode)
     if args.impl == "transformers":
         model = build_transformers_peer(model, args.experts_implementation)
     pipeline = {"schedule": args.pp_schedule, "microbatches": args.microbatches} if args.pp > 1 else {}
@@ -178,6 +180,7 @@ def run(args) -> dict:
     torch.manual_seed(args.seed)
 
     model, layout = prepare_model(args, config, world, device, dtype)
+    cuda_graphs = uses_cuda_graphs(args.compile_mode)
     optimizer = build_optimizer(model, "adamw", lr=args.lr)
     batches = synthetic_batches(config.vocab_size, args.micro_batch, args.seq_len, args.seed, rank)
     tokens_per_step = (world // args.pp) * args.micro_batch * args.seq_len
@@ -185,7 +188,7 @@ def run(args) -> dict:
 
     def step() -> dict:
         input_ids, labels = (t.to(device, non_blocking=True) for t in next(batches))
-        if args.cuda_graphs:  # a new step: replay the graphs, do not wait for the last step's backwards
+        if cuda_graphs:  # a new step: replay the graphs, do not wait for the last step's backwards
             torch.compiler.cudagraph_mark_step_begin()
         return train_step(model, optimizer, input_ids, labels, grad_clip=1.0, fused_update=not args.unfused_update)
 
@@ -268,7 +271,8 @@ def run(args) -> dict:
         "config": dataclasses.asdict(config),
         "layout": {**layout, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
                    "activation_checkpointing": args.activation_checkpointing, "compile": args.compile,
-                   "cuda_graphs": args.cuda_graphs, "unfused_update": args.unfused_update, "dtype": args.dtype,
+                   "cuda_graphs": cuda_graphs, "compile_mode": args.compile_mode,
+                   "unfused_update": args.unfused_update, "dtype": args.dtype,
                    "optimizer": "adamw", "lr": args.lr, "seed": args.seed, "mamba_kernel": config.mamba_kernel},
         "env": environment(world) | {"cuda": torch.version.cuda, "device_type": device.type},
         "steps": {"warmup": args.warmup, "measured": args.steps, "step_times_s": step_times,
@@ -365,7 +369,11 @@ def register(subparsers) -> None:
     p.add_argument("--compile", default="off", choices=["off", "mixers", "blocks"],
                    help="torch.compile per layer: mixers = all but MoE mixers, blocks = every block")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay each compiled layer as a CUDA graph (one GPU, one process, with --compile)")
+                   help="replay each compiled layer as a CUDA graph (one GPU, one process, with --compile): "
+                        "--compile-mode reduce-overhead")
+    p.add_argument("--compile-mode", default=None,
+                   choices=["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                   help="torch.compile's mode for every compiled layer (default: its default)")
     p.add_argument("--unfused-update", action="store_true",
                    help="one process in bf16: float32 gradients on the masters and torch's AdamW, not the fused "
                         "update (train/master_update.py)")
@@ -390,6 +398,11 @@ def main(args) -> int:
     if args.steps < 1 or args.warmup < 0 or args.micro_batch < 1 or args.seq_len < 1 or args.profile_steps < 1:
         raise SystemExit("onenode bench: --steps, --micro-batch, --seq-len and --profile-steps must be >= 1, "
                          "--warmup >= 0")
+    if args.cuda_graphs:
+        if args.compile_mode not in (None, "reduce-overhead"):
+            raise SystemExit(f"onenode bench: --cuda-graphs is --compile-mode reduce-overhead, not "
+                             f"{args.compile_mode}: give one of them")
+        args.compile_mode = "reduce-overhead"
     try:
         record = run(args)
     except torch.OutOfMemoryError as error:

@@ -22,42 +22,48 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
 
 
-def apply_compile(model: nn.Module, mode: str, backend: str = "inductor", cuda_graphs: bool = False) -> None:
+def apply_compile(model: nn.Module, mode: str, backend: str = "inductor", compile_mode: str | None = None) -> None:
     """`torch.compile` per layer, as torchtitan does (one small graph per block, reused).
 
     "mixers" compiles every Mamba2, attention and dense MLP mixer and leaves MoE mixers eager:
-    the routed experts have data-dependent shapes (tokens per expert), and the starter's
-    per-expert loop would unroll into one graph break per expert. "blocks" compiles every block,
-    MoE included: for an MoE whose routed path is compile-friendly. `cuda_graphs`: each compiled
-    region also replays as a CUDA graph (see `prepare_layers`).
+    the routed experts have data-dependent shapes (tokens per expert), and a loop over experts
+    would unroll into one graph break per expert. "blocks" compiles every block, MoE included:
+    for an MoE whose routed path is compile-friendly. `compile_mode` is torch.compile's `mode`
+    for each compiled region (None: its default; see `prepare_layers`).
     """
     for layer in model.backbone.layers:
         if mode == "blocks":
-            _compile_forward(layer, backend, cuda_graphs)
+            _compile_forward(layer, backend, compile_mode)
         elif layer.kind != "moe":
-            _compile_forward(layer.mixer, backend, cuda_graphs)
+            _compile_forward(layer.mixer, backend, compile_mode)
 
 
-def _compile_forward(module: nn.Module, backend: str, cuda_graphs: bool = False) -> None:
+def _compile_forward(module: nn.Module, backend: str, compile_mode: str | None) -> None:
     """Compile `forward` alone, not the whole call (`module.compile()`): the hooks FSDP2 puts on
     the module later stay outside the graph, where dynamo would break it in two. The parameters
     keep their names (no `_orig_mod.` wrapper)."""
-    module.forward = torch.compile(module.forward, backend=backend,
-                                   mode="reduce-overhead" if cuda_graphs else None)
+    module.forward = torch.compile(module.forward, backend=backend, mode=compile_mode)
+
+
+def uses_cuda_graphs(compile_mode: str | None) -> bool:
+    """Whether torch.compile's `compile_mode` replays its graphs as CUDA graphs."""
+    return compile_mode in ("reduce-overhead", "max-autotune")
 
 
 def prepare_layers(model: nn.Module, *, compile: str = "off", activation_checkpointing: bool = False,
-                   backend: str = "inductor", cuda_graphs: bool = False) -> None:
+                   backend: str = "inductor", compile_mode: str | None = None) -> None:
     """Compile the layers (`compile`: off, mixers or blocks), then checkpoint them, in that order.
 
-    `cuda_graphs` replays each compiled layer as a CUDA graph (inductor's "reduce-overhead"): one
-    launch instead of hundreds, for steps the host cannot feed fast enough. It needs parameters
-    at fixed addresses, so one process (`parallel/mixed_precision.py`); under FSDP, which gathers
-    them into new memory each step, the graphs are recorded again every step. Each training step
-    must begin with `torch.compiler.cudagraph_mark_step_begin()`."""
-    if cuda_graphs and compile == "off":
-        raise ValueError("CUDA graphs replay compiled layers: set compile to mixers or blocks")
+    `compile_mode` is torch.compile's mode for each compiled layer. "reduce-overhead" replays each
+    as a CUDA graph: one launch instead of hundreds, for steps the host cannot feed fast enough.
+    CUDA graphs need parameters at fixed addresses, so one process (`parallel/mixed_precision.py`);
+    under FSDP, which gathers them into new memory each step, the graphs are recorded again every
+    step. With CUDA graphs (`uses_cuda_graphs`) each training step must begin with
+    `torch.compiler.cudagraph_mark_step_begin()`."""
+    if compile_mode is not None and compile == "off":
+        what = "CUDA graphs replay" if uses_cuda_graphs(compile_mode) else f"compile mode {compile_mode} applies to"
+        raise ValueError(f"{what} compiled layers: set compile to mixers or blocks")
     if compile != "off":
-        apply_compile(model, compile, backend, cuda_graphs)
+        apply_compile(model, compile, backend, compile_mode)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
