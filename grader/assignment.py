@@ -1,7 +1,7 @@
 """The one interface between the grader's core and an assignment.
 
 torchtitan's pattern (a spec per model, one trainer): each assignment package builds one
-`Assignment` (`grader/a1/__init__.py`, `grader/a2/__init__.py`), `grader/assignments.py` lists
+`Assignment` (`grader/a1/__init__.py`, `grader/a2/__init__.py`), `grader/registry.py` lists
 them, and the core (`cohort.py`, `cli.py`, `leaderboard.py`) drives any of them the same way:
 intake, atomic and resumable cohort grading, results.json and feedback, cohort.csv, the terminal
 table, the leaderboard, the command line, the student release, the hint ladders, the grade

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from . import hints
 from .assignment import Assignment
-from .assignments import ASSIGNMENTS
 from .errors import GraderError
+from .registry import ASSIGNMENTS
 from .rubric import KIT_ROOT
 
 

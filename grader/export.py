@@ -18,8 +18,8 @@ import json
 import os
 from pathlib import Path
 
-from .assignments import ASSIGNMENTS
 from .notebook import AUTOGRADED_NAME, COURSE_ID, NOTEBOOK_ID, db_url, import_executed, run_nbgrader, student_id
+from .registry import ASSIGNMENTS
 
 FIELDS = ("student", "parts_score", "parts_max", "notebook_score", "notebook_max", "needs_manual_grade",
           "total", "total_max", "profile", "seed")

@@ -14,9 +14,9 @@ import sys
 import pytest
 
 from grader import hints
-from grader.assignments import ASSIGNMENTS
 from grader.cli import build_parser, main
 from grader.export import results_assignment
+from grader.registry import ASSIGNMENTS
 from grader.release import release, withheld_lines
 
 SECRET = "the answer is forty-two, worked out the long way"
@@ -120,7 +120,7 @@ def a3(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path / "packages"))
     monkeypatch.delitem(sys.modules, "fake_a3", raising=False)
     A3 = importlib.import_module("fake_a3").A3
-    monkeypatch.setitem(ASSIGNMENTS, "a3", A3)  # the registry line an A3 adds to grader/assignments.py
+    monkeypatch.setitem(ASSIGNMENTS, "a3", A3)  # the registry line an A3 adds to grader/registry.py
     yield A3
     sys.modules.pop("fake_a3", None)
 

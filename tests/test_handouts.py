@@ -468,7 +468,7 @@ def test_a1_submission_is_accepted_by_the_grader(student_repo, ran_blocks, tmp_p
 def test_handout_runs_in_the_real_release(assignment, doc, tmp_path):
     """The same, in the repository `onenode-grade release` really builds (nbgrader, about a minute)."""
     pytest.importorskip("nbgrader")
-    from grader.assignments import ASSIGNMENTS
+    from grader.registry import ASSIGNMENTS
     from grader.release import release
 
     repo = start_as_student(release(ASSIGNMENTS[assignment], tmp_path / "student", tmp_path / "course"))

@@ -147,6 +147,10 @@ def test_the_checks_find_a_cycle(tmp_path):
     assert "partially initialized module" in import_alone(["loop.b", "loop.a"], [tmp_path])["loop.a"]
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
 def private_uses(name: str, path: Path, known: dict[str, Path]) -> list[str]:
     """`module._name` uses in module `name` of another kit module's private names (from-imports
     of them, or attributes read through an imported module)."""
@@ -163,11 +167,11 @@ def private_uses(name: str, path: Path, known: dict[str, Path]) -> list[str]:
             for alias in node.names:
                 if f"{module}.{alias.name}" in known:
                     aliases[alias.asname or alias.name] = f"{module}.{alias.name}"
-                elif module in known and module != name and alias.name.startswith("_") and not alias.name.startswith("__"):
+                elif module in known and module != name and _private(alias.name):
                     found.append(f"{module}.{alias.name}")
     for node in ast.walk(tree):
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
-                and node.attr.startswith("_") and not node.attr.startswith("__") and aliases[node.value.id] != name):
+                and _private(node.attr) and aliases[node.value.id] != name):
             found.append(f"{aliases[node.value.id]}.{node.attr}")
     return found
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from grader import hints, notebook, report
-from grader.assignments import ASSIGNMENTS
 from grader.export import export
+from grader.registry import ASSIGNMENTS
 from grader.release import ReleaseError, copy_linked_records, dead_links, leaks, release, student_pyproject
 from grader.report import results_json
 from grader.rubric import tomllib
@@ -87,9 +87,11 @@ def test_dead_link_check_finds_links_to_nothing_and_out_of_the_bundle(tmp_path):
 
 @pytest.mark.parametrize("folder", [a.handout.folder.name for a in ASSIGNMENTS.values()])
 def test_the_records_a_handout_links_travel_with_it(tmp_path, folder):
-    """The handout as the release copies it, then the records it links: every link resolves."""
+    """The handout and the starter as the release copies them, then the records the handout links:
+    every link resolves."""
     stage = tmp_path / "stage"
-    shutil.copytree(ROOT / folder, stage / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for shipped in (folder, "starter_code"):
+        shutil.copytree(ROOT / shipped, stage / shipped, ignore=shutil.ignore_patterns("__pycache__"))
     text = (stage / folder / "README.md").read_text()
     targets = re.findall(r"\]\((\.\./benchmarks/results/[^\s)]+)", text)
     linked = {os.path.normpath(f"{folder}/{target}") for target in targets}

@@ -1,8 +1,8 @@
 """NemotronH's mixture of experts: a sigmoid top-k router, routed relu² experts, a shared expert.
 
 `MoE.routed_experts` computes the routed experts the way NVIDIA's remote code does, one expert
-module at a time. The router and the module layout (`gate`, `experts.{j}.up_proj/down_proj`, `shared_experts`) follow that
-code's checkpoint names.
+module at a time. The router and the module layout (`gate`, `experts.{j}.up_proj/down_proj`,
+`shared_experts`) follow that code's checkpoint names.
 """
 
 from __future__ import annotations

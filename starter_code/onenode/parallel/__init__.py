@@ -33,8 +33,8 @@ from .mesh import ParallelDims, dp_mesh
 from .mixed_precision import MasterWeights, apply_mixed_precision
 from .pipeline import PipelineRunner, build_pipeline
 
-__all__ = ["ParallelDims", "ParallelModel", "dp_mesh", "parallelize", "shard_data_parallel", "apply_expert_parallel",
-           "apply_fsdp"]
+__all__ = ["ParallelDims", "ParallelModel", "dp_mesh", "parallelize", "apply_expert_and_data_parallel",
+           "apply_expert_parallel", "apply_fsdp"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def _mixed_precision(param_dtype: torch.dtype | None) -> bool:
     return param_dtype is not None and param_dtype != torch.float32
 
 
-def shard_data_parallel(module: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *,
+def apply_expert_and_data_parallel(module: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *,
                         param_dtype: torch.dtype | None = None) -> bool:
     """Expert parallelism over mesh["ep"], then FSDP over `dp_mesh(mesh)` (also on one rank when
     `param_dtype` asks for mixed precision), in place: a model or a pipeline stage. True when
@@ -121,13 +121,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtyp
     mesh = dims.build_mesh(_device_type(model))
     data_mesh = dp_mesh(mesh)
     if dims.pp == 1:
-        experts_split = shard_data_parallel(model, dims, mesh, param_dtype=param_dtype)
+        experts_split = apply_expert_and_data_parallel(model, dims, mesh, param_dtype=param_dtype)
         return ParallelModel(model, dp_mesh=data_mesh, ep_mesh=mesh["ep"] if experts_split else None)
 
     experts_split = []
 
     def shard_stage(stage: nn.Module) -> nn.Module:
-        experts_split.append(shard_data_parallel(stage, dims, mesh, param_dtype=param_dtype))
+        experts_split.append(apply_expert_and_data_parallel(stage, dims, mesh, param_dtype=param_dtype))
         return stage
 
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
