@@ -23,6 +23,9 @@ backward: `parallel/mixed_precision.py`), in order of importance:
   keeps less for the backward (75.7 GiB at 12 sequences against the torch scan's 107), so twice the
   batch fits: 31.0% MFU at 117.8 GiB (benchmarks/results/2026-12-01-h200-one-process);
 - `starter`: the unpatched `starter_code/` (per-expert loop), eager;
+- `part-1-moe`, `part-2-ep`, `part-3-pp`: the starter with one part of `solutions/a1/parts/` applied,
+  eager, at micro-batch x seq-len: what each fix alone does on one GPU (parts 2 and 3 change
+  layouts of several processes, so here they should run as the starter does);
 - `transformers`: transformers' `NemotronHForCausalLM`, `grouped_mm` experts, the same weights;
 - `at-<sha>` (one per `--before REV` or `--before-tree`): the solution as commit REV had it, eager,
   at micro-batch x seq-len: what the commits since then changed (one REV per step: each step's effect);
@@ -54,22 +57,24 @@ sys.path.insert(0, str(KIT_ROOT / "tests"))
 sys.path.append(str(KIT_ROOT / "starter_code"))
 from patched_copy import git_apply, patched_tree  # noqa: E402  (the kit's helpers: solutions/a1 patches)
 
+PARTS = ("1-moe", "2-ep", "3-pp")  # solutions/a1/parts/: each slow path's fix alone
 LOSS_TOLERANCE = 0.02  # bf16, different kernels: the first losses agree to about 1e-3
 
 
-def solution_tree(prebuilt: str | None) -> Path:
-    """The reference solution's tree: `prebuilt` (a folder `--prepare` printed; relative to where the
-    job starts, as the runs start elsewhere), or the patch applied to a copy here."""
+def solution_tree(prebuilt: str | None, patch: str = "submission") -> Path:
+    """The reference solution's tree (`patch`: the full patch, or one part of `PARTS`): `prebuilt` (a
+    folder `--prepare` printed; relative to where the job starts, as the runs start elsewhere), or the
+    patch applied to a copy here."""
     if prebuilt:
         tree = Path(prebuilt).resolve()
         if not (tree / "starter_code" / "onenode").is_dir():
             raise SystemExit(f"--solution-tree {tree} holds no starter_code/onenode: build it with --prepare")
         return tree
     try:
-        return patched_tree(["submission"])
+        return patched_tree([patch])
     except (OSError, RuntimeError) as e:
-        raise SystemExit(f"could not apply solutions/a1/submission.patch ({e}): run --prepare where git works "
-                         "and pass the printed folder as --solution-tree") from None
+        raise SystemExit(f"could not apply solutions/a1 patch {patch} ({e}): run --prepare where git works "
+                         "and carry the printed folders") from None
 
 
 def tree_at_commit(rev: str) -> Path:
@@ -196,7 +201,8 @@ def main() -> int:
                              "(default: the records' own)")
     args = parser.parse_args()
     if args.prepare:  # relative to the kit's root: what a copy of the kit elsewhere carries
-        for tree in [solution_tree(None), *(tree_at_commit(rev) for rev in args.before)]:
+        for tree in [solution_tree(None), *(solution_tree(None, part) for part in PARTS),
+                     *(tree_at_commit(rev) for rev in args.before)]:
             print(tree.relative_to(KIT_ROOT))
         return 0
     if not args.out:
@@ -220,6 +226,7 @@ def main() -> int:
         *([("solution-cuda-graphs", solution, [*one, "--compile", "blocks", "--cuda-graphs"])]
           if args.device != "cpu" else []),  # refused on a CPU
         ("starter", starter, one),
+        *((f"part-{part}", solution_tree(None, part), one) for part in PARTS),  # the same bench, one fix each
         ("transformers", solution, [*one, "--impl", "transformers", "--experts-implementation", "grouped_mm"]),
     ]
     layouts = {"eager": one, "compiled": [*one, "--compile", "blocks"],
