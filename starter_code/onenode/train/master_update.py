@@ -75,18 +75,20 @@ def _signature(member) -> tuple:
             None if copy is None else copy.dtype)
 
 
-def chunks(members: list) -> list[list]:
-    """`members` sorted by signature and cut into runs of at most `CHUNK`: a model with many
-    parameters of one shape makes many equal chunks, which one compiled graph serves."""
-    members = sorted(members, key=lambda m: repr(_signature(m)))
-    return [members[i:i + CHUNK] for i in range(0, len(members), CHUNK)]
+def chunks(members: list) -> list[tuple[tuple, list]]:
+    """`members` sorted by signature and cut into runs of at most `CHUNK`, each with its members'
+    signatures: a model with many parameters of one shape makes many equal chunks, which one
+    compiled graph serves."""
+    keyed = sorted(((repr(_signature(m)), m) for m in members), key=lambda pair: pair[0])
+    return [(tuple(key for key, _ in keyed[i:i + CHUNK]), [m for _, m in keyed[i:i + CHUNK]])
+            for i in range(0, len(keyed), CHUNK)]
 
 
 def _graphs_allowed(calls: list[tuple]) -> contextlib.AbstractContextManager:
     """Room in dynamo's cache for one graph per distinct chunk of this step (its default limit of 8
     per function would send the rest to eager): at most the number of chunks, in practice about two
     per distinct parameter shape."""
-    distinct = len({(tuple(_signature(m) for m in chunk), hyper) for chunk, _, hyper in calls})
+    distinct = len({(signatures, hyper) for _, signatures, _, hyper in calls})
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     return config.patch(**{name: max(getattr(config, name), distinct)})
@@ -99,7 +101,7 @@ def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_no
     L2 norm and take `optimizer`'s AdamW step, writing the copies; the norm before clipping, a 0-d
     float32 tensor (no host sync, as `step.clip_grad_norm_`). `update` is the chunk update to call
     (default: `_adamw`, compiled on a GPU)."""
-    calls = []  # (chunk of (param, grad, state, copy), the group's lr as a tensor, its other hyperparameters)
+    calls = []  # (chunk of (param, grad, state, copy), their signatures, the group's lr tensor, other hyperparameters)
     grads = []  # in the optimizer's order, as the unfused clip sums their norms
     for group in optimizer.param_groups:
         members = []
@@ -112,7 +114,7 @@ def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_no
         if members:
             lr = torch.full((), group["lr"], device=members[0][1].device)
             hyper = (*group["betas"], group["eps"], group["weight_decay"])
-            calls += [(chunk, lr, hyper) for chunk in chunks(members)]
+            calls += [(chunk, signatures, lr, hyper) for signatures, chunk in chunks(members)]
     if not grads:
         return torch.zeros(())
     total_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
@@ -122,7 +124,7 @@ def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_no
     if update is None:
         update = _compiled_adamw if grads[0].is_cuda else _adamw
     with _graphs_allowed(calls):
-        for chunk, lr, hyper in calls:
+        for chunk, _, lr, hyper in calls:
             params, chunk_grads, states, copies = (list(column) for column in zip(*chunk))
             update(params, chunk_grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                    [s["step"] for s in states], copies, lr, coef, *hyper)
