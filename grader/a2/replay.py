@@ -186,7 +186,11 @@ def replay_checks(sub: A2Submission, profile: A2Profile, stack: Path, seed: str,
     manifest_seconds = sub.manifest.get("wall_time_s")
     cost = {"replay_steps": steps, "replay_fraction": steps / chain[-1].step, "replay_seconds": seconds,
             "verify_seconds": wall or time.monotonic() - start,
-            "run_seconds": manifest_seconds if isinstance(manifest_seconds, (int, float)) else None}
+            "run_seconds": manifest_seconds if isinstance(manifest_seconds, (int, float)) else None,
+            # what the tolerances are measured from (benchmarks/a2_baseline.py --replay)
+            "spans": [{key: span.get(key) for key in ("start", "end", "steps", "bitwise", "relative_error")}
+                      for span in report["spans"]],
+            "loss_relative_errors": _loss_errors(recomputed[:-1])}
     return checks, cost
 
 
@@ -202,6 +206,14 @@ def _movement(recomputed: list[dict]) -> tuple[bool, str]:
     most = max((found["movement"] for found in spans), default=0.0)
     return len(spans) == len(recomputed) - 1, (f"every one of the {len(spans)} spans moved the weights within what "
                                                 f"its learning rates allow (at most {most:.2f} of the bound)")
+
+
+def _loss_errors(recomputed: list[dict]) -> list[float | None]:
+    """Each checkpoint's loss on the grader's batch of the next step against the one its successor's
+    trainer state records, relative (None where either is missing)."""
+    return [abs(found["next_loss"] - found["stored_next_loss"]) / max(abs(found["stored_next_loss"]), 1e-12)
+            if isinstance(found.get("next_loss"), float) and isinstance(found.get("stored_next_loss"), float)
+            else None for found in recomputed]
 
 
 def _logged_losses(recomputed: list[dict], chain: list[Link], records: list[dict],
