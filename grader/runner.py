@@ -302,6 +302,11 @@ def run_sessions(harness: Harness, tree: Path, profile: Profile, sessions: list[
     files_in = dict(files_in or {})
     try:
         for i, session in enumerate(sessions):
+            missing = [name for name in session.reads if name not in files_in]
+            if missing:  # the session that writes it failed: its own result says why
+                results[session.name] = SessionResult(error=f"no {', '.join(missing)} to load: the session that "
+                                                            "writes it failed")
+                continue
             child = Child(f"child-{i + 1}-{session.name}", tree, harness, profile, session.world, 1,
                           {name: files_in[name] for name in session.reads})
             try:

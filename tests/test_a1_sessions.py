@@ -18,6 +18,7 @@ from torch import nn
 from grader import runner
 from grader.a1.job import A1Job
 from grader.a1.rubric import load_rubric
+from grader.errors import GraderError
 from grader.runner import Harness, Session, SessionResult, run_sessions
 from grader.sandbox import capabilities
 
@@ -247,3 +248,27 @@ def test_experts_not_held_as_loaded_are_refused_in_one_line():
 def test_the_harness_never_reads_the_submissions_adapter():
     assert "onenode.adapters" not in (KIT / "grader" / "a1" / "harness.py").read_text()
 
+
+
+def test_a_session_whose_input_was_never_written_fails_in_one_line(tmp_path):
+    """On GPU profiles the starter's moe-exact session loads the weights its moe session saves: if
+    that one failed, the next says so (no child is started for it) instead of a KeyError."""
+    profile = load_rubric().profile("cpu-tiny")
+    runs = run_sessions(_echo(tmp_path), _tree(tmp_path), profile, [Session("moe-exact", {}, [1], reads=("moe.pt",))],
+                        tmp_path / "logs")
+    assert not runs["moe-exact"].ok and "no moe.pt to load" in runs["moe-exact"].error
+
+
+def test_a_failed_starter_fails_every_submission_with_its_error_and_runs_once(tmp_path, monkeypatch):
+    job = _job(tmp_path, "h200x1")
+    calls = []
+
+    def failing():
+        calls.append(1)
+        raise GraderError("the unpatched starter's moe session failed (sandbox: no bwrap)")
+
+    monkeypatch.setattr(job, "_run_reference", failing)
+    for _ in range(3):
+        with pytest.raises(GraderError, match="moe session failed"):
+            _ = job.reference
+    assert calls == [1]

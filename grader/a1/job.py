@@ -61,7 +61,7 @@ class A1Job(Job):
     rubric: A1Rubric
     profile: A1Profile
     starter_logs: Path  # where the starter's runs leave their logs
-    _reference: Reference | None = None
+    _reference: Reference | GraderError | None = None  # an error: the starter failed, once for the job
     _starter_moe: Baseline | None = None
     notebooks: bool = True  # False: code parts only (a GPU node without nbgrader; notebooks graded elsewhere)
 
@@ -82,8 +82,15 @@ class A1Job(Job):
 
     @property
     def reference(self) -> Reference:
+        """The starter's runs, made once per job; if they fail, every submission after gets the
+        same error (the starter is not run again)."""
         if self._reference is None:
-            self._reference = self._run_reference()
+            try:
+                self._reference = self._run_reference()
+            except GraderError as e:
+                self._reference = e
+        if isinstance(self._reference, GraderError):
+            raise self._reference
         return self._reference
 
     @property
