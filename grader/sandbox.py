@@ -196,14 +196,22 @@ def _sandbox_problem() -> str | None:
         return "setpriv is not installed: apt-get install util-linux"
     tree = _Tree()
     tree.system()
-    try:
-        probe = subprocess.run([bwrap, *_namespace_args(network=False), *tree.args, "--", "true"], timeout=60,
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"bubblewrap cannot start here ({e})"
-    if probe.returncode != 0:
-        last = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
-        return f"bubblewrap cannot build a sandbox here ({last})"
+    # The child runs bwrap (and, as root, setpriv) again inside the sandbox: they must be where it
+    # can see them (the system folders; its /tmp is its own), not only where the grader can.
+    inner = [bwrap, *([shutil.which(SETPRIV)] if _is_root() else [])]
+    for program in inner:
+        try:
+            probe = subprocess.run([bwrap, *_namespace_args(network=False), *tree.args, "--", program, "--version"],
+                                   timeout=60, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True)
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"bubblewrap cannot start here ({e})"
+        if probe.returncode != 0:
+            last = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+            if "execvp" in last:
+                return (f"{program} is not visible inside the sandbox, which sees only the system folders (its /tmp "
+                        "is its own): install it with the system's packages (apt-get install bubblewrap util-linux)")
+            return f"bubblewrap cannot build a sandbox here ({last})"
     return None
 
 

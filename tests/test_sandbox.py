@@ -628,3 +628,20 @@ def test_gpu_devices_are_bound_only_on_gpu_machines(monkeypatch):
     for device in ("/dev/nvidia0", "/dev/nvidia-uvm", "/dev/nvidiactl"):
         assert f"--dev-bind {device} {device}" in text
     assert "--ro-bind /sys /sys" in text and text.index("--dev /dev") < text.index("--dev-bind")
+
+
+@SANDBOXED
+def test_a_bwrap_the_sandbox_cannot_see_is_refused_in_one_line(tmp_path, monkeypatch):
+    """The child runs bwrap again inside the sandbox, whose /tmp is its own: a bwrap unpacked under
+    /tmp works for the grader and fails in every session. The probe says so before any runs."""
+    from grader import sandbox
+
+    hidden = Path(tempfile.mkdtemp(dir="/tmp")) / "bwrap"
+    shutil.copy2(shutil.which("bwrap"), hidden)
+    which = shutil.which
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: str(hidden) if name == sandbox.BWRAP else which(name))
+    problem = sandbox._sandbox_problem.__wrapped__()
+    shutil.rmtree(hidden.parent)
+    monkeypatch.undo()
+    assert problem is not None and f"{hidden} is not visible inside the sandbox" in problem
+    assert sandbox._sandbox_problem.__wrapped__() is None  # the system's bwrap: nothing to say
