@@ -31,6 +31,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+# NeMo Automodel's NemotronV3 and its state-dict adapter (tests/test_automodel_adapter.py), without
+# its dependencies: they pin another transformers and GPU-only kernels; its model code imports without them
+	$(PY) -m pip install -q --no-deps "nemo-automodel==0.7.0"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -1,0 +1,70 @@
+"""The kit's NemotronH weights through NeMo Automodel's own NemotronV3 state-dict adapter, both ways,
+on a CPU: Automodel's model is built (its constructor runs anywhere; its forward needs mamba_ssm's
+Triton kernels, so the logits' parity runs on a GPU), the kit's checkpoint layout (the one NVIDIA's
+checkpoints use, one tensor per expert matrix) goes in through `from_hf` and must fill every one of
+its parameters at its shape, and what `to_hf` gives back must load into the kit's model unchanged.
+
+nemo-automodel is installed without its dependencies (`make setup` does: its model code imports
+with the kit's torch, transformers, safetensors, pyyaml and einops)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onenode.model import hf_io
+from onenode.model.config import get_preset
+from onenode.model.nemotron_h import NemotronHForCausalLM
+
+pytestmark = pytest.mark.slow  # importing Automodel and building its model: about a minute on 2 cores
+
+automodel = pytest.importorskip(
+    "nemo_automodel.components.models.nemotron_v3.model",
+    reason="nemo-automodel is not installed: pip install --no-deps nemo-automodel==0.7.0 (make setup does)")
+from nemo_automodel.components.models.common.utils import BackendConfig  # noqa: E402
+from transformers import NemotronHConfig  # noqa: E402
+
+# The plain-PyTorch backends: what builds on any machine.
+BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch", experts="torch_mm", dispatcher="torch",
+               enable_hf_state_dict_adapter=True)
+# Both kinds of hybrid layout: Mamba first (the tiny preset's) and attention first, with a dense MLP.
+PATTERNS = ["MEM*EM-E", "*EME-M"]
+
+
+def _models(pattern: str):
+    config = get_preset("tiny", hybrid_override_pattern=pattern)
+    torch.manual_seed(0)
+    kit = NemotronHForCausalLM(config)
+    theirs = automodel.NemotronHForCausalLM.from_config(NemotronHConfig(**config.to_hf_dict()),
+                                                       BackendConfig(**BACKEND))
+    return config, kit, theirs
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_the_kits_weights_fill_automodels_model_through_its_adapter(pattern):
+    _, kit, theirs = _models(pattern)
+    ours = {key: tensor.clone() for key, tensor in kit.state_dict().items()}
+    native = theirs.state_dict_adapter.from_hf(dict(ours))
+    target = theirs.state_dict()
+    assert native.keys() == target.keys(), (sorted(set(target) - set(native)), sorted(set(native) - set(target)))
+    wrong = [key for key in target if native[key].shape != target[key].shape]
+    assert not wrong, wrong
+    theirs.load_state_dict(native, strict=True)
+    # every routed expert's matrices landed in its own slot of the grouped tensors
+    layer = next(i for i, kind in enumerate(pattern) if kind == "E")
+    down = theirs.state_dict()[f"model.layers.{layer}.mixer.experts.down_projs"]
+    for expert in range(kit.config.n_routed_experts):
+        theirs_row = down[expert]
+        our_matrix = ours[f"backbone.layers.{layer}.mixer.experts.{expert}.down_proj.weight"]
+        assert torch.equal(theirs_row, our_matrix) or torch.equal(theirs_row, our_matrix.T), expert
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_automodels_weights_come_back_into_the_kits_model_unchanged(pattern):
+    config, kit, theirs = _models(pattern)
+    theirs.load_state_dict(theirs.state_dict_adapter.from_hf(dict(kit.state_dict())), strict=True)
+    back = theirs.state_dict_adapter.to_hf(theirs.state_dict())
+    again = NemotronHForCausalLM(config)
+    again.load_state_dict(hf_io.adapt_state_dict(back, again), strict=True)
+    for key, tensor in kit.state_dict().items():
+        assert torch.equal(again.state_dict()[key], tensor), key
