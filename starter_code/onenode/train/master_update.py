@@ -11,8 +11,9 @@ bytes per parameter instead of 52.
 
 The math is torch's AdamW (decoupled weight decay, bias corrections from each parameter's step
 count), on the optimizer's own state, so checkpoints and the unfused step read and continue it. It
-applies to one `torch.optim.AdamW` whose parameters all have state (the first step runs unfused,
-which makes it) and to steps of one micro-batch (several add up in float32, on the masters).
+applies to plain `torch.optim.AdamW` and to steps of one micro-batch (several add up in float32, on
+the masters). The first step makes the state as torch's AdamW would, so it is fused too: what it
+compiles falls in a run's first step, which benchmarks leave out as warm-up.
 
 The compiled update takes the parameters in chunks of at most `CHUNK`, sorted by shape and dtype,
 so its graphs stay the size of one chunk whatever the model's parameter count: a model that keeps
@@ -35,15 +36,23 @@ CHUNK = 16  # parameters per compiled call: bounds each graph's size (and compil
 
 def applies(weights: MasterWeights | None, optimizer, accumulation_steps: int) -> bool:
     """Whether this step can be the fused one: bf16 copies over float32 masters, one micro-batch,
-    plain AdamW whose every parameter already has its moments."""
+    plain AdamW."""
     if weights is None or accumulation_steps != 1 or type(optimizer) is not torch.optim.AdamW:
         return False
-    for group in optimizer.param_groups:
-        if group["amsgrad"] or group["maximize"] or group["differentiable"]:
-            return False
-        if any(not optimizer.state.get(p) for p in group["params"]):
-            return False
-    return True
+    return not any(group["amsgrad"] or group["maximize"] or group["differentiable"]
+                   for group in optimizer.param_groups)
+
+
+def _state(optimizer: torch.optim.AdamW, group: dict, param: torch.Tensor) -> dict:
+    """`param`'s AdamW state, made as torch's AdamW makes it on its first step (a step count on the
+    device for its fused and capturable kinds, else on the host; both moments zero)."""
+    state = optimizer.state[param]
+    if not state:
+        on_device = group["fused"] or group["capturable"]
+        state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if on_device else None)
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return state
 
 
 def _adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -109,7 +118,7 @@ def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_no
             copy = weights.copy_of.get(id(param))
             grad = copy.grad if copy is not None else param.grad
             if grad is not None:
-                members.append((param, grad, optimizer.state[param], copy))
+                members.append((param, grad, _state(optimizer, group, param), copy))
         grads += [grad for _, grad, _, _ in members]
         if members:
             lr = torch.full((), group["lr"], device=members[0][1].device)
