@@ -34,10 +34,10 @@ class Graded:
 
     tests: list[dict] = field(default_factory=list)  # Gradescope test entries
     leaderboard: list[dict] = field(default_factory=list)  # Gradescope leaderboard entries
-    numbers: dict = field(default_factory=dict)  # measurements for cohort.csv and the leaderboard
+    measurements: dict = field(default_factory=dict)  # for cohort.csv and the leaderboard (extra_data.numbers)
     failures: dict[str, str] = field(default_factory=dict)  # run -> what went wrong, for the feedback
     output: str = ""  # the results' top line
-    facts: dict = field(default_factory=dict)  # more of results.json's extra_data
+    extra_data: dict = field(default_factory=dict)  # more of results.json's extra_data
 
 
 def no_secret_lines(starter: Path) -> set[str]:

@@ -69,7 +69,7 @@ def grade_one(assignment: Assignment, path: Path, job: Job, out: Path) -> dict:
     try:
         graded = assignment.grade(job, path, work, logs)
         tests, leaderboard, failures, output = graded.tests, graded.leaderboard, graded.failures, graded.output
-        extra.update(numbers=_finite(graded.numbers), **graded.facts)
+        extra.update(numbers=_finite(graded.measurements), **graded.extra_data)
     except SubmissionError as e:
         tests, leaderboard, output = job.rubric.zero_tests(f"not graded: {e}"), [], f"Not graded: {e}"
     except GraderError:

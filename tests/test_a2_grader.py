@@ -290,7 +290,7 @@ def test_a_difference_inside_two_standard_errors_cannot_move_the_points(job):
     # two standard errors of the difference: 2 x hypot(0.05, 0.05) = 0.141 accuracy, about 6% perplexity
     par, graded = points(_report(0.50, 100.0))
     assert "0.5 ± 0.05 vs baseline 0.5 ± 0.05" in graded.tests[1]["output"]
-    assert graded.facts["stderr"]["onenode_cloze acc_norm"] == 0.05
+    assert graded.extra_data["stderr"]["onenode_cloze acc_norm"] == 0.05
     for inside in (_report(0.63, 97.0), _report(0.37, 103.0), _report(0.5, 100.0, 0.0, 0.0)):
         assert points(inside)[0] == par
     better, worse = points(_report(0.65, 94.0))[0], points(_report(0.35, 106.5))[0]

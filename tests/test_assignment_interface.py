@@ -67,7 +67,7 @@ def grade(job, path, work, logs):
         raise SubmissionError("no answer.txt: add it and resubmit")
     right = (path / "answer.txt").read_text().strip() == job.answer
     return Graded(tests=[test_entry("Answer", 2 if right else 0, 2, "right" if right else "wrong", "answer")],
-                  numbers={"right": right}, output="right" if right else "wrong")
+                  measurements={"right": right}, output="right" if right else "wrong")
 
 
 def build_cohort(dest):

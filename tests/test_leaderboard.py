@@ -227,9 +227,9 @@ def test_h200x1_grading_records_the_reference_steps_tokens_and_mfu(tmp_path, mon
     ctx = scoring.Context(job, None, runs, tmp_path)
     scoring.grade_moe(ctx)
     tokens = profile.batch * profile.seq_len
-    assert ctx.numbers["reference_tokens_per_s"] == pytest.approx(4 * tokens)
-    assert ctx.numbers["reference_step_speedup"] == ctx.numbers["moe_step_speedup"] == pytest.approx(4.0)
-    assert ctx.numbers["reference_mfu"] == pytest.approx(scoring.model_flops_utilization(profile, 4 * tokens, 1))
+    assert ctx.measurements["reference_tokens_per_s"] == pytest.approx(4 * tokens)
+    assert ctx.measurements["reference_step_speedup"] == ctx.measurements["moe_step_speedup"] == pytest.approx(4.0)
+    assert ctx.measurements["reference_mfu"] == pytest.approx(scoring.model_flops_utilization(profile, 4 * tokens, 1))
     names = [e["name"] for e in ctx.leaderboard]
     assert names == ["Part 1: MoE speedup", "Step tokens/s (reference layout)", "Step speedup vs starter (reference)",
                      "MFU % (reference layout)"]

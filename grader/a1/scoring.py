@@ -36,7 +36,7 @@ class Context:
     logs: Path
     tests: list[dict] = field(default_factory=list)
     leaderboard: list[dict] = field(default_factory=list)
-    numbers: dict = field(default_factory=dict)
+    measurements: dict = field(default_factory=dict)
 
     @property
     def failures(self) -> dict[str, str]:
@@ -83,7 +83,7 @@ def grade_moe(ctx: Context) -> None:
     warmup = profile.moe["warmup"]
     starter_s, yours_s = _median_timed(ctx.runs["moe-starter"], warmup), _median_timed(run, warmup)
     layer = starter_s / yours_s
-    ctx.numbers["moe_speedup"] = layer
+    ctx.measurements["moe_speedup"] = layer
     ctx.leaderboard.append({"name": "Part 1: MoE speedup", "value": round(layer, 2)})
     exact = " computed in float32" if ref.moe_exact is not ref.moe else ""
     checked = (f"outputs, input gradients and each expert's gradients on {len(run.digests)} grader-chosen inputs, "
@@ -105,7 +105,7 @@ def grade_moe(ctx: Context) -> None:
     share = profile.speed_share("moe_layer", layer)
     if step_correct:
         whole, line = _step_numbers(ctx, step, ref.train, "reference", "moe_step")
-        ctx.numbers["moe_step_speedup"] = whole
+        ctx.measurements["moe_step_speedup"] = whole
         share = (share + profile.speed_share("moe_step", whole)) / 2
         timing += f"; {line}"
     elif step is not None and step.ok:
@@ -125,13 +125,13 @@ def _step_numbers(ctx: Context, run: SessionResult, starter: SessionResult, layo
     seconds = _median_timed(run, profile.warmup)
     tokens_per_s = tokens / seconds
     ratio = _median_timed(starter, profile.warmup) / seconds
-    ctx.numbers.update({f"{layout_name}_tokens_per_s": tokens_per_s, f"{layout_name}_step_speedup": ratio})
+    ctx.measurements.update({f"{layout_name}_tokens_per_s": tokens_per_s, f"{layout_name}_step_speedup": ratio})
     ctx.leaderboard += [{"name": f"Step tokens/s ({layout_name} layout)", "value": round(tokens_per_s, 1)},
                         {"name": f"Step speedup vs starter ({layout_name})", "value": round(ratio, 2)}]
     line = f"whole step, {layout_name} layout: {tokens_per_s:,.0f} tokens/s, {ratio:.2f}x the starter"
     mfu = model_flops_utilization(profile, tokens_per_s, profile.layouts[layout_name]["world"])
     if mfu is not None:
-        ctx.numbers[f"{layout_name}_mfu"] = mfu
+        ctx.measurements[f"{layout_name}_mfu"] = mfu
         ctx.leaderboard.append({"name": f"MFU % ({layout_name} layout)", "value": round(100 * mfu, 2)})
         line += f", MFU {100 * mfu:.2f}% of dense bf16 peak"
     return ratio, f"{line} ({_range(profile, measurement or f'{layout_name}_step')})"
@@ -165,7 +165,7 @@ def grade_ep(ctx: Context) -> None:
     # The starter moves every parameter alike (plain FSDP), so its non-expert share of the traffic
     # is what a working EP still moves; what exceeds it is expert weights (tokens are small).
     expert_ratio = max(0.0, yours - starter * (1 - expert_share)) / (starter * expert_share)
-    ctx.numbers.update(expert_traffic_ratio=expert_ratio, ep_traffic_mb_per_step=yours / 2**20)
+    ctx.measurements.update(expert_traffic_ratio=expert_ratio, ep_traffic_mb_per_step=yours / 2**20)
     feature = (f"traffic between the ranks per step, read by the grader: starter {starter / 2**20:.2f} MiB, yours "
                f"{yours / 2**20:.2f} MiB; expert weights are {expert_share:.0%} of the model, so about "
                f"{expert_ratio:.0%} of the starter's expert traffic remains (at most "
@@ -198,13 +198,13 @@ def grade_pp(ctx: Context) -> None:
     yours = _traffic(run, profile.warmup)
     low, high = profile.pipeline_traffic
     fixed = low * activations <= yours <= high * data_parallel
-    ctx.numbers["pp_traffic_mb_per_step"] = yours / 2**20
+    ctx.measurements["pp_traffic_mb_per_step"] = yours / 2**20
     feature = (f"traffic between the ranks per step, read by the grader: {yours / 2**20:.3f} MiB; the stage "
                f"boundaries pass on {activations / 2**20:.3f} MiB of activations (at least {low:g}x of them must "
                f"move), plain data parallelism moves {data_parallel / 2**20:.2f} MiB (at most {high:g}x of it may)")
     if profile.pipeline_memory is not None:
         share, line = _state_share(profile, run, one_rank)
-        ctx.numbers["pp_state_share"] = share
+        ctx.measurements["pp_state_share"] = share
         fixed = fixed and share <= profile.pipeline_memory["max_state_share"]
         feature += f"; {line}"
     speedup, timing = _step_numbers(ctx, run, one_rank, "pp")
@@ -302,5 +302,5 @@ def grade(job: A1Job, path: Path, work: Path, logs: Path) -> Graded:
     for step in STEPS:
         if job.notebooks or step is not grade_notebook:
             step(ctx)
-    return Graded(ctx.tests, ctx.leaderboard, ctx.numbers, ctx.failures,
-                  facts={"changed_files": submission.changed_files})
+    return Graded(ctx.tests, ctx.leaderboard, ctx.measurements, ctx.failures,
+                  extra_data={"changed_files": submission.changed_files})

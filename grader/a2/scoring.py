@@ -52,7 +52,7 @@ def score(job: A2Job, checks: list[Check], report: dict | None, error: str | Non
     audit_text = "; ".join(f"{c.name}: {'ok' if c.ok else 'FAILED'} ({c.detail})" for c in checks)
     res.tests.append(test_entry(TITLES["budget"], points["budget"] if verified else 0,
                                 points["budget"], audit_text, "budget"))
-    res.numbers["verified"] = verified
+    res.measurements["verified"] = verified
     if report is None:
         reason = f"not evaluated: {error}"
         res.failures["evaluation"] = error or ""
@@ -63,11 +63,11 @@ def score(job: A2Job, checks: list[Check], report: dict | None, error: str | Non
     tiers = ", ".join(f">= {t:+g} -> {s:.0%}" for t, s in profile.margin_tiers)
     choice_tasks = [t for t, e in report["headline"].items() if e["higher_is_better"]]
     per_task = points["benchmarks"] / max(1, len(choice_tasks))
-    stderr = res.facts.setdefault("stderr", {})
+    stderr = res.extra_data.setdefault("stderr", {})
     for task, entry in report["headline"].items():
         ref = base["headline"].get(task, {})
         name = f"{task} {entry['metric']}"
-        res.numbers[task] = entry["value"]
+        res.measurements[task] = entry["value"]
         res.leaderboard.append({"name": name, "value": _round(entry["value"]),
                                 **({} if entry["higher_is_better"] else {"order": "asc"})})
         stderr[name] = _round(entry.get("stderr"))
@@ -83,7 +83,7 @@ def score(job: A2Job, checks: list[Check], report: dict | None, error: str | Non
         res.tests.append(test_entry(title, earned if verified else 0, most, line + gate, key))
     heldout = report.get("heldout")
     if heldout:
-        res.numbers.update(val_loss=heldout["loss"], val_ppl=heldout["perplexity"])
+        res.measurements.update(val_loss=heldout["loss"], val_ppl=heldout["perplexity"])
         res.leaderboard += [{"name": "val loss", "value": _round(heldout["loss"]), "order": "asc"},
                             {"name": "val perplexity", "value": _round(heldout["perplexity"]), "order": "asc"}]
     res.output = ("Verified run" if verified else "Run NOT verified: " + "; ".join(
@@ -133,11 +133,13 @@ def grade(job: A2Job, path: Path, work: Path, logs: Path) -> Graded:
     checks, cost = verify(job, sub, logs)
     report, error = evaluate_sandboxed(sub.checkpoint, job.profile, job.suite_dir, logs, "submission")
     graded = score(job, checks, report, error)
-    graded.numbers.update(cost)
+    spans, losses = cost.pop("spans", None), cost.pop("loss_relative_errors", None)
+    graded.measurements.update(cost)
     if report is not None:
         (logs / "eval-report.json").write_text(json.dumps(report, indent=2) + "\n")
     if job.notebooks:
         graded.tests += grade_notebook(sub.notebook, logs)
     shutil.copy2(sub.metrics_path, logs / "metrics.jsonl")  # the leaderboard's loss curve
-    graded.facts.update(run=run_facts(sub), audit=[c.__dict__ for c in checks])
+    graded.extra_data.update(run=run_facts(sub), audit=[c.__dict__ for c in checks],
+                             replay={"spans": spans, "loss_relative_errors": losses})
     return graded
