@@ -46,20 +46,22 @@ def speed_share(value: float, low: float, high: float) -> float:
 class A1Profile(Profile):
     """What runs on one kind of machine and what counts as fixed there."""
 
-    dtype: str
-    preset: str
-    overrides: dict
-    batch: int
+    dtype: str  # what the sessions compute in: "float32" or "bfloat16"
+    preset: str  # the model preset the training sessions build
+    overrides: dict[str, int | float | str]  # NemotronH config fields over the preset's
+    batch: int  # sequences per training step
     seq_len: int
-    warmup: int
-    repeats: int
-    rtol: float
-    train_rtol: float
-    moe: dict
-    speed: dict  # measurement -> [low, high] speedup
-    max_expert_traffic: float
-    pipeline_traffic: list
-    layouts: dict = field(default_factory=dict)
+    warmup: int  # untimed steps before each timed run
+    repeats: int  # timed turns of submission and starter
+    rtol: float  # the MoE layer's tolerance against the starter's float32 reference
+    train_rtol: float  # the training losses' and gradient norms' tolerance against the starter's
+    moe: dict[str, int | dict]  # Part 1's session: tokens, iters, warmup, repeats, overrides (its config)
+    speed: dict[str, list[float]]  # measurement -> [low, high] speedup: no points below, full above
+    max_expert_traffic: float  # Part 2: the share of the starter's expert traffic a fixed ep layout may move
+    # Part 3: [low, high]: a fixed pp layout moves at least low x the activations at its stage
+    # boundaries and at most high x what plain data parallelism moves
+    pipeline_traffic: list[float]
+    layouts: dict[str, dict[str, int]] = field(default_factory=dict)  # name -> {world, dp, ep, pp}
     # {"overrides": {...}, "max_state_share": x}: the pp layout then trains the model with these
     # overrides (a vocabulary large enough that model state dominates a rank's memory), and its
     # busiest rank may hold at most that share of the whole model's state (docs/SECURITY.md)
