@@ -14,8 +14,6 @@ The router and the shared expert stay replicated (FSDP shards them like any dens
 
 from __future__ import annotations
 
-import abc
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,10 +21,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.nn.functional import all_to_all_single as _all_to_all_single
 
 
-class GroupedExperts(abc.ABC):  # noqa: B024 (no methods: a class declares itself with `register`)
-    """An experts module that `apply_expert_parallel` can split: each of its parameters holds
-    every routed expert along dimension 0. A class declares itself with
-    `GroupedExperts.register(cls)`; modules of other classes are left whole."""
+def _stacks_experts(experts: object) -> bool:
+    """Whether `experts` is a module that `apply_expert_parallel` can split: its class declares
+    `stacked_experts = True`, for parameters that each hold every routed expert along dimension 0.
+    Modules of other classes are left whole."""
+    return isinstance(experts, nn.Module) and getattr(type(experts), "stacked_experts", False) is True
 
 
 def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
@@ -73,7 +72,7 @@ def _expert_parallel_class(cls: type) -> type:
     return _EP_CLASSES[cls]
 
 
-def _num_experts(experts: GroupedExperts) -> int:
+def _num_experts(experts: nn.Module) -> int:
     return next(experts.parameters(recurse=False)).shape[0]
 
 
@@ -91,7 +90,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Modu
     changed = []
     for module in list(model.modules()):
         experts = getattr(module, "experts", None)
-        if not isinstance(experts, GroupedExperts):
+        if not _stacks_experts(experts):
             continue
         total = _num_experts(experts)
         if total % ep:
