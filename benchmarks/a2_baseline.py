@@ -99,9 +99,11 @@ def main(argv: list[str] | None = None) -> int:
             if subprocess.run(command, cwd=KIT_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode:
                 raise SystemExit(f"`{' '.join(command[2:5])}` failed: see {out / 'log.txt'}")
     manifest = json.loads((out / "run" / "run_manifest.json").read_text())
-    report = {} if args.replay else json.loads((out / "eval.json").read_text())
     if args.replay:
-        report["replay"] = replayed(out / "run", stack, "cpu-tiny" if args.cpu else "h200x1")
+        result = {"replay": replayed(out / "run", stack, "cpu-tiny" if args.cpu else "h200x1")}
+    else:
+        report = json.loads((out / "eval.json").read_text())
+        result = {"eval": {key: report[key] for key in ("suite", "limit", "max_length", "headline", "seconds")}}
     record = {
         "what": ("the A2 baseline recipe cut to 7 layers, trained with checkpoints and replayed by the grader"
                  if args.replay else
@@ -112,16 +114,15 @@ def main(argv: list[str] | None = None) -> int:
         **environment(1),
         "train": {key: manifest[key] for key in ("parameters", "tokens_seen", "steps", "wall_time_s", "throughput",
                                                  "final_losses")},
-        **({"replay": report["replay"]} if args.replay else
-           {"eval": {key: report[key] for key in ("suite", "limit", "max_length", "headline", "seconds")}}),
+        **result,
     }
     (out / "record.json").write_text(json.dumps(record, indent=2) + "\n")
-    for task, entry in report.get("headline", {}).items():
+    for task, entry in result.get("eval", {}).get("headline", {}).items():
         print(f"{task:<20} {entry['metric']:<16} {entry['value']:.4f} ± {entry['stderr'] or 0:.4f}")
     print(f"{manifest['tokens_seen']:,} tokens at {manifest['throughput'].get('tokens_per_s', 0):,.0f} tokens/s "
           f"-> {out / 'record.json'}")
     if args.replay:
-        print(json.dumps(report["replay"], indent=2))
+        print(json.dumps(result["replay"], indent=2))
     return 0
 
 

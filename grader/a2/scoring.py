@@ -133,7 +133,7 @@ def grade(job: A2Job, path: Path, work: Path, logs: Path) -> Graded:
     checks, cost = verify(job, sub, logs)
     report, error = evaluate_sandboxed(sub.checkpoint, job.profile, job.suite_dir, logs, "submission")
     graded = score(job, checks, report, error)
-    spans, losses = cost.pop("spans", None), cost.pop("loss_relative_errors", None)
+    replay = {key: cost.pop(key) for key in ("spans", "loss_relative_errors") if key in cost}  # lists, not columns
     graded.measurements.update(cost)
     if report is not None:
         (logs / "eval-report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -141,5 +141,5 @@ def grade(job: A2Job, path: Path, work: Path, logs: Path) -> Graded:
         graded.tests += grade_notebook(sub.notebook, logs)
     shutil.copy2(sub.metrics_path, logs / "metrics.jsonl")  # the leaderboard's loss curve
     graded.extra_data.update(run=run_facts(sub), audit=[c.__dict__ for c in checks],
-                             replay={"spans": spans, "loss_relative_errors": losses})
+                             **({"replay": replay} if replay else {}))
     return graded
