@@ -1,6 +1,6 @@
 """The kit's NemotronH weights through NeMo Automodel's own NemotronV3 state-dict adapter, both ways,
 on a CPU: Automodel's model is built (its constructor runs anywhere; its forward needs mamba_ssm's
-Triton kernels, so the logits' parity runs on a GPU), the kit's checkpoint layout (the one NVIDIA's
+Triton kernels, so the parity of the Mamba layouts runs on a GPU), the kit's checkpoint layout (the one NVIDIA's
 checkpoints use, one tensor per expert matrix) goes in through `from_hf` and must fill every one of
 its parameters at its shape, and what `to_hf` gives back must load into the kit's model unchanged.
 
@@ -68,3 +68,24 @@ def test_automodels_weights_come_back_into_the_kits_model_unchanged(pattern):
     again.load_state_dict(hf_io.adapt_state_dict(back, again), strict=True)
     for key, tensor in kit.state_dict().items():
         assert torch.equal(again.state_dict()[key], tensor), key
+
+
+def test_logits_match_automodels_on_the_layers_a_cpu_runs(tmp_path):
+    """benchmarks/automodel_parity.py --cpu: on layouts without Mamba layers (attention, routed experts,
+    the dense MLP), Automodel's forward runs in plain PyTorch, and its float32 logits must match the
+    kit's on the same weights and tokens, both ways. The Mamba layouts run on a GPU (recorded)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "automodel_parity.py"
+    out = tmp_path / "parity.json"
+    proc = subprocess.run([sys.executable, str(script), "--cpu", "--out", str(out), "--seq-len", "40"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads(out.read_text())
+    assert len(record["results"]) == 2 and record["passed"]
+    for result in record["results"]:
+        assert result["kit_into_automodel"] < record["tolerance"], result
+        assert result["automodel_into_kit"] < record["tolerance"], result
