@@ -356,3 +356,27 @@ def test_fused_update_is_torch_adamw_on_the_same_gradients(device):
     for (name, master), reference in zip(fused.named_parameters(), plain.parameters()):
         moved = (reference - initial.get_parameter(name)).abs().max()
         assert (master - reference).abs().max() <= 1e-4 * moved, name
+
+
+@pytest.mark.parametrize("fused_update", [False, True])
+def test_the_copies_follow_an_optimizer_step_that_counts_no_version(fused_update):
+    """torch's fused AdamW kernel (the kit's optimizer on CUDA; on a CPU with `fused=True`) updates
+    the masters without bumping their version counters. The bf16 copies must follow every such step
+    all the same, or the model computes with its first weights forever while the masters move (the
+    loss stays flat, and a checkpoint holds weights the run never computed with). Two micro-batches
+    take the unfused step through `optimizer.step`; one micro-batch alternates with them."""
+    config = get_preset("tiny")
+    ids, labels = _batch(config, batch=4)
+    parallel = parallelize(build_model(config, seed=0), ParallelDims(), param_dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(parallel.parameters(), lr=3e-3, fused=True)
+    weights = parallel.master_weights
+    losses = []
+    for step in range(4):
+        accumulation = 2 if step % 2 == 0 or not fused_update else 1
+        losses.append(train_step(parallel, optimizer, ids, labels, accumulation_steps=accumulation)["loss"])
+        parallel.model(ids)  # a forward: the copies are refreshed if the masters moved
+        for master in parallel.parameters():
+            copy = weights.copy_of.get(id(master))
+            if copy is not None:
+                assert torch.equal(copy, master.detach().to(copy.dtype)), step
+    assert losses[-1] < losses[0] - 0.2, losses
