@@ -8,12 +8,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
 
 from grader.a1 import scoring
-from grader.a1.compare import loss_error, moe_error, relative_error
+from grader.a1.compare import loss_error, moe_error, moments_error, relative_error
 from grader.a1.rubric import load_rubric, speed_share
 from grader.runner import SessionResult
 
@@ -131,8 +132,15 @@ def test_relative_error():
 
 
 # -- the training steps' losses --------------------------------------------------------------------
+def moments() -> dict:
+    """One step's optimizer moments (harness `OptimizerMoments`): two parameters, one of them a
+    rarely moved one, and a MoE layer of two experts, the second chosen by no token."""
+    return {"params": {"backbone.embeddings.weight": 2.0, "backbone.layers.0.mixer.dt_bias": 0.001},
+            "experts": {"backbone.layers.1.mixer.": [[1.0, 2.0], [0.0, 0.0]]}}
+
+
 def steps(n: int = 3) -> list[dict]:
-    return [{"loss": 4.0 - 0.1 * i, "grad_norm": 1.0 + i, "bytes": {}} for i in range(n)]
+    return [{"loss": 4.0 - 0.1 * i, "grad_norm": 1.0 + i, "bytes": {}, "moments": moments()} for i in range(n)]
 
 
 def test_the_same_steps_match_and_a_difference_is_relative():
@@ -163,6 +171,50 @@ def test_malformed_steps_are_infinitely_wrong(edit):
 
 def test_steps_that_are_not_a_list_are_infinitely_wrong():
     assert loss_error(steps(), None) == loss_error(steps(), {"0": steps()[0]}) == math.inf
+
+
+# -- the optimizer's moments after each step ---------------------------------------------------------
+def test_the_same_moments_match_and_each_is_judged_on_its_own_scale():
+    assert moments_error(steps(), steps()) == 0.0
+    sub = steps()
+    sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] *= 1.02  # a squared norm: 1% of the norm
+    assert moments_error(steps(), sub) == pytest.approx(0.01)
+
+
+def test_a_parameter_the_step_left_untrained_is_wrong():
+    sub = steps()
+    sub[0]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] = 0.0
+    assert moments_error(steps(), sub) == pytest.approx(0.5)
+
+
+def test_only_zero_moments_match_an_expert_no_token_chose():
+    sub = steps()
+    sub[2]["moments"]["experts"]["backbone.layers.1.mixer."][1] = [1e-9, 0.0]
+    assert moments_error(steps(), sub) > 1e6
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m["params"].pop("backbone.embeddings.weight"),
+    lambda m: m["params"].__setitem__("backbone.extra.weight", 1.0),
+    lambda m: m["params"].__setitem__("backbone.embeddings.weight", math.nan),
+    lambda m: m["params"].__setitem__("backbone.embeddings.weight", "2.0"),
+    lambda m: m["experts"].clear(),
+    lambda m: m["experts"]["backbone.layers.1.mixer."].pop(),
+    lambda m: m["experts"]["backbone.layers.1.mixer."][0].append(3.0),
+    lambda m: m["experts"].__setitem__("backbone.layers.1.mixer.", [[2.0, 1.0]] * 3),
+    lambda m: m.pop("experts"),
+], ids=["missing-param", "extra-param", "nan", "string", "no-moe-layer", "short-experts", "long-pair",
+        "extra-expert", "no-experts"])
+def test_malformed_moments_are_infinitely_wrong(edit):
+    sub = steps()
+    edit(sub[1]["moments"])
+    assert moments_error(steps(), sub) == math.inf
+
+
+@pytest.mark.parametrize("sub", [None, [], [{"loss": 4.0}] * 3], ids=["none", "empty", "no-moments"])
+def test_steps_without_moments_are_infinitely_wrong(sub):
+    assert moments_error(steps(), sub) == math.inf
+    assert moments_error(steps(), [{**s, "moments": None} for s in steps()]) == math.inf
 
 
 # -- speed_share -------------------------------------------------------------------------------------
@@ -250,12 +302,32 @@ def wrong_step(profile) -> SessionResult:
 ], ids=["wrong-losses", "failed", "missing", "nan"])
 def test_a_wrong_or_failed_step_zeroes_part1(profile, step, says):
     """The layer is exact and fast (8x: all its speed points); the step is not right."""
-    import re
 
     scores, outputs = part1(profile, 1 / 8, step(profile))
     assert scores == [0, 0]
     assert outputs[0].startswith("wrong: ") and re.search(says, outputs[0]), outputs[0]
     assert outputs[1].startswith("zeroed (wrong results)")
+
+
+def moments_off_step(profile) -> SessionResult:
+    """A step whose losses are the starter's but that left one parameter untrained."""
+    wrong = steps(profile.warmup + profile.repeats)
+    for step in wrong:
+        step["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] = 0.0
+    return run(wrong, 0.1)
+
+
+def test_a_step_that_applied_other_gradients_zeroes_part1(profile):
+    assert profile.moments_rtol is not None  # the CPU profiles score the moments
+    scores, outputs = part1(profile, 1 / 8, moments_off_step(profile))
+    assert scores == [0, 0]
+    assert re.search(r"first moments .* worst relative error 0\.5 \(tolerance", outputs[0]), outputs[0]
+
+
+def test_a_profile_without_a_moments_tolerance_records_them_only(profile):
+    scores, outputs = part1(dataclasses.replace(profile, moments_rtol=None), 1 / 8, moments_off_step(profile))
+    assert scores[0] == 4.0
+    assert re.search(r"worst relative error 0\.5 \(recorded, not scored", outputs[0]), outputs[0]
 
 
 def test_breaking_the_step_never_earns_more_than_an_honest_slow_one(profile):

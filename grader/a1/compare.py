@@ -89,3 +89,45 @@ def loss_error(ref: list[dict], sub: list[dict]) -> float:
         for key in ("loss", "grad_norm"):
             errors.append(relative_error(s.get(key), r[key], r[key]))
     return max(errors)
+
+
+def _squared_norm_error(ref, sub) -> float:
+    """A squared norm against the starter's, on twice its scale (the norm's own relative error); a
+    zero only matches a zero."""
+    return relative_error(sub, ref, 2 * ref) if _number(ref) is not None else math.inf
+
+
+def _moments_digest_error(ref: dict, sub) -> float:
+    """One step's optimizer moments (harness `OptimizerMoments`): every parameter's by the
+    starter's name, every routed expert's up and down projection's, each on its own scale."""
+    if not isinstance(sub, dict) or set(sub) != {"params", "experts"}:
+        return math.inf
+    params, experts = sub["params"], sub["experts"]
+    if not isinstance(params, dict) or set(params) != set(ref["params"]):
+        return math.inf
+    if not isinstance(experts, dict) or set(experts) != set(ref["experts"]):
+        return math.inf
+    errors = [_squared_norm_error(value, params[name]) for name, value in ref["params"].items()]
+    for prefix, ours in ref["experts"].items():
+        theirs = experts[prefix]
+        if not _same_length(ours, theirs):
+            return math.inf
+        for pair, other in zip(ours, theirs):
+            if not _same_length(pair, other):
+                return math.inf
+            errors += [_squared_norm_error(a, b) for a, b in zip(pair, other)]
+    return max(errors, default=0.0)
+
+
+def moments_error(ref: list[dict], sub: list[dict]) -> float:
+    """Worst relative error of the optimizer's first moments after each step, parameter by
+    parameter and expert by expert: the gradients the step applied, which a loss and a global
+    gradient norm only sum up. A step missing or extra, or moments missing, is infinitely wrong."""
+    if not _same_length(ref, sub) or not ref:
+        return math.inf
+    errors = [0.0]
+    for r, s in zip(ref, sub):
+        if not isinstance(s, dict) or not isinstance(r.get("moments"), dict):
+            return math.inf
+        errors.append(_moments_digest_error(r["moments"], s.get("moments")))
+    return max(errors)

@@ -213,6 +213,56 @@ class MoeSession:
         return digests
 
 
+class OptimizerMoments:
+    """The step's gradients as the optimizer took them, read from its state after the step: the
+    squared norm of each parameter's AdamW first moment (after the first step, the clipped gradient
+    times 1 - beta1), keyed by the starter's name, and each routed expert's, found by value as
+    `ExpertSlots` finds it. The training path itself fills that state; the grader asks nothing of it.
+    A parameter the optimizer did not step reads as zero. One rank only: a layout that shards or
+    splits the state across ranks has no layout-free reading of it here."""
+
+    WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+    def __init__(self, model, state: dict, config):
+        self.experts = {}
+        for i, layer in enumerate(model.backbone.layers):
+            prefix = f"backbone.layers.{i}.mixer."
+            if f"{prefix}experts.0.up_proj.weight" in state:
+                self.experts[prefix] = ExpertSlots(layer.mixer, state, prefix, config.n_routed_experts)
+        in_slots = {id(param) for slots in self.experts.values() for column in slots.slots.values()
+                    for param, _, _ in column}
+        self.params = {}
+        for name, param in model.named_parameters():
+            if id(param) not in in_slots:
+                for wrapper in self.WRAPPERS:
+                    name = name.replace(wrapper, "")
+                self.params[name] = param
+
+    @staticmethod
+    def _moment(optimizer, param, row=None):
+        moment = optimizer.state.get(param, {}).get("exp_avg")
+        if moment is None:
+            return None
+        return moment if row is None else moment[row]
+
+    def digest(self, optimizer) -> dict:
+        import torch
+
+        named = [(name, self._moment(optimizer, p)) for name, p in self.params.items()]
+        experts = [(prefix, [self._moment(optimizer, param, row) for column in slots.slots.values()
+                             for param, row, _ in column]) for prefix, slots in self.experts.items()]
+        tensors = [t for _, t in named if t is not None] + [t for _, ts in experts for t in ts if t is not None]
+        norms = iter(torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).double().square().tolist()
+                     if tensors else [])
+        params = {name: 0.0 if t is None else next(norms) for name, t in named}
+        per_expert = {}
+        for prefix, moments in experts:
+            flat = [0.0 if t is None else next(norms) for t in moments]
+            half = len(flat) // 2  # up then down, expert by expert
+            per_expert[prefix] = [[up, down] for up, down in zip(flat[:half], flat[half:])]
+        return {"params": params, "experts": per_expert}
+
+
 class TrainSession:
     """Parts 2 and 3: optimizer steps of the whole model in one parallel layout."""
 
@@ -229,7 +279,7 @@ class TrainSession:
         else:
             self.device = torch.device("cpu")
         self.config = _config(spec, spec["overrides"])
-        model, _ = _build(spec, self.config, self.device, rank)
+        model, state = _build(spec, self.config, self.device, rank)
         if self.world > 1:
             from onenode.parallel import ParallelDims, parallelize
 
@@ -238,6 +288,7 @@ class TrainSession:
 
         self.model = model
         self.optimizer = build_optimizer(model)
+        self.moments = OptimizerMoments(model, state, self.config) if self.world == 1 else None
 
     def info(self) -> dict:
         """Bytes of parameters this rank holds (shards, not the full tensors)."""
@@ -272,7 +323,8 @@ class TrainSession:
 
             with self.counter.paused():
                 loss = mean_over_ranks(loss, self.device)
-        return {"loss": loss, "grad_norm": out.get("grad_norm"), "bytes": moved}
+        moments = self.moments.digest(self.optimizer) if self.moments is not None else None
+        return {"loss": loss, "grad_norm": out.get("grad_norm"), "bytes": moved, "moments": moments}
 
 
 # -- processes ---------------------------------------------------------------------------------
