@@ -3,6 +3,16 @@ clipping, update. The one step bench, trainer and grader harness run.
 
 Labels convention (the whole kit): `labels` has the shape of `input_ids` and holds each position's
 next-token target (already shifted); positions with -100 are ignored.
+
+What else runs during a step, as hooks that the layout (and the trainer) installed:
+- forward, per layer: FSDP2 gathers the layer's shards (`parallel/fsdp.py`); in one process in
+  bf16, the layer's bf16 copies are swapped in for its float32 masters instead
+  (`parallel/mixed_precision.py`, `CastUnit`);
+- forward, per router (the trainer's `train/balance.py`): it counts the tokens each expert got
+  (the load-balancing bias update after the step reads them) and collects the auxiliary loss;
+- backward, per parameter: FSDP2 reduce-scatters the gradients; in one process each copy's
+  gradient goes to its master, or stays on the copy for the fused update (`MasterWeights`);
+- after `optimizer.step`: the bf16 copies are marked stale, refreshed at the next forward.
 """
 
 from __future__ import annotations
