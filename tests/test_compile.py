@@ -77,7 +77,7 @@ def compiled_calls() -> dict:
 
     from onenode.model import build_model, get_preset
     from onenode.parallel import ParallelDims, parallelize
-    from onenode.parallel.layers import prepare_layers
+    from onenode.parallel.compile_and_checkpoint import prepare_layers
 
     config = get_preset("tiny", hybrid_override_pattern="M*M")
     ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -115,7 +115,7 @@ def _bf16_step_graph_breaks(lay_out, checkpointed: bool = False) -> dict:
     from torch._dynamo.utils import counters
 
     from onenode.model import build_model, get_preset
-    from onenode.parallel.layers import prepare_layers
+    from onenode.parallel.compile_and_checkpoint import prepare_layers
     from onenode.train.balance import RouterBalancer
 
     torch._dynamo.reset()
@@ -160,7 +160,7 @@ def test_cuda_graphs_compile_every_block_to_replay(monkeypatch):
     import torch
 
     from onenode.model import build_model, get_preset
-    from onenode.parallel import layers
+    from onenode.parallel import compile_and_checkpoint as layers
 
     modes = []
     monkeypatch.setattr(torch, "compile", lambda fn, backend, mode: modes.append(mode) or fn)

@@ -15,8 +15,8 @@ from onenode import cli
 from onenode.model import build_model, get_preset
 from onenode.model.moe import TopKRouter
 from onenode.parallel import ParallelDims, ParallelModel, fsdp, parallelize
+from onenode.parallel.compile_and_checkpoint import prepare_layers
 from onenode.parallel.fsdp import apply_fsdp_on_one_rank
-from onenode.parallel.layers import prepare_layers
 from onenode.train.recipe import load_recipe
 from onenode.train.step import build_optimizer, clip_grad_norm_, train_step
 from onenode.train.trainer import Trainer

@@ -10,7 +10,7 @@ import torch
 
 from onenode.cli import main
 from onenode.model import build_model, get_preset
-from onenode.parallel.layers import apply_activation_checkpointing
+from onenode.parallel.compile_and_checkpoint import apply_activation_checkpointing
 from onenode.train.balance import RouterBalancer
 from onenode.train.checkpoint import CheckpointError, full_model_state_dict, weights_sha256
 from onenode.train.logging import read_metrics

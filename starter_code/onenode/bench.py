@@ -34,8 +34,8 @@ from .model import build_model, cross_entropy_loss, get_preset
 from .model.config import PRESETS
 from .model.nemotron_h import CausalLMOutput
 from .parallel import ParallelDims, ParallelModel, parallelize
+from .parallel.compile_and_checkpoint import prepare_layers, uses_cuda_graphs
 from .parallel.distributed import init_distributed, local_device
-from .parallel.layers import prepare_layers, uses_cuda_graphs
 from .profiling import (
     format_top_kernels,
     kernel_mix,

@@ -33,8 +33,8 @@ import yaml
 
 from ..model import build_model, count_parameters
 from ..parallel import ParallelDims, ParallelModel, parallelize
+from ..parallel.compile_and_checkpoint import prepare_layers
 from ..parallel.distributed import init_distributed, local_device, mean_over_ranks
-from ..parallel.layers import prepare_layers
 from .balance import RouterBalancer
 from .checkpoint import (
     export_final,
