@@ -52,7 +52,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from onenode.bench import peak_memory_bytes, synthetic_batches
+    from onenode.bench.device import peak_memory_bytes, synthetic_batches
     from onenode.model import build_model, get_preset
     from onenode.parallel import ParallelDims, parallelize
     from onenode.parallel.distributed import init_distributed, local_device

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import functools
 import sys
 import traceback
 import warnings
@@ -53,7 +52,6 @@ import torch
 import torch._inductor.config
 
 import onenode.parallel
-from onenode import bench
 from onenode.cli import main as onenode_main
 from onenode.model import loss
 from onenode.parallel import fsdp
@@ -93,8 +91,7 @@ def main() -> int:
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)  # after `--`: the bench's own options
     args = parser.parse_args(argv[:split])
-    bench.top_kernels = functools.partial(bench.top_kernels, limit=80)
-    bench_options = argv[split + 1:]
+    bench_options = [*argv[split + 1:], "--top-kernels", "80"]
     sites = None
     for probe in args.probes:
         if probe == "loss-chunk":

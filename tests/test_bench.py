@@ -178,12 +178,12 @@ def test_kernel_mix_sorts_gpu_kernels_by_kind():
 
 
 def test_out_of_memory_is_one_line_that_says_what_to_change(monkeypatch):
-    from onenode import bench
+    from onenode.bench import measure
 
     def too_big(args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB. GPU 0 has 139.80 GiB")
 
-    monkeypatch.setattr(bench, "run", too_big)
+    monkeypatch.setattr(measure, "run", too_big)
     with pytest.raises(SystemExit) as stop:
         cli.main([*TINY, "--micro-batch", "4"])
     message = str(stop.value)

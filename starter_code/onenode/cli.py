@@ -10,7 +10,7 @@ import sys
 
 # subcommand -> module that defines `register(subparsers)`
 SUBCOMMANDS = {
-    "bench": "onenode.bench",
+    "bench": "onenode.bench.cli",
     "train": "onenode.train.cli",
     "sweep": "onenode.train.sweep",
     "data": "onenode.data.cli",

@@ -1,0 +1,68 @@
+"""The bench's record as strict JSON, the command that repeats it, and its table."""
+
+from __future__ import annotations
+
+import math
+
+RECORD_VERSION = 1
+
+
+def json_safe(value):
+    """`value` with infinities and NaNs as strings, so the record is strict JSON (jq, browsers)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def command_line(args, world: int) -> str:
+    """The command that repeats this run, every option spelled out."""
+    launcher = f"torchrun --nproc-per-node {world} -m onenode.cli" if world > 1 else "onenode"
+    words = [launcher, "bench"]
+    for key, value in vars(args).items():
+        if key in ("func", "command") or value is None or value is False:
+            continue
+        words.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}"))
+    return " ".join(words)
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:.3g}%"
+
+
+def format_table(record: dict) -> str:
+    r, lay = record["results"], record["layout"]
+    rows = [
+        ("model", f"{record['preset']} ({record['impl']}), {lay['micro_batch']} x {lay['seq_len']} tokens per rank"),
+        ("layout", f"world {lay['world_size']}: dp {lay['dp']} ep {lay['ep']} pp {lay['pp']}, "
+                   f"AC {'on' if lay['activation_checkpointing'] else 'off'}, compile {lay['compile']}"
+                   f"{' + CUDA graphs' if lay.get('cuda_graphs') else ''}, {lay['dtype']}"),
+        ("tokens/s", f"{r['tokens_per_s']:,.0f} total, {r['tokens_per_s_per_gpu']:,.0f} per GPU (or CPU process)"),
+        ("step time", f"median {r['step_time_median_s'] * 1e3:.1f} ms (min {r['step_time_min_s'] * 1e3:.1f}, "
+                      f"max {r['step_time_max_s'] * 1e3:.1f}, stdev {r['step_time_stdev_s'] * 1e3:.1f}) "
+                      f"over {record['steps']['measured']} steps"),
+        ("FLOPs/token", f"{r['matmul_flops_per_token'] / 1e9:.3f} G tensor-core (fwd+bwd, causal-half attention), "
+                        f"{r['other_flops_per_token'] / 1e9:.3f} G other"),
+        ("MFU", f"{_percent(r['mfu'])} of {r['peak_tflops']:.0f} TFLOP/s "
+                f"({r['achieved_tflops_per_gpu']:.3g} TFLOP/s per GPU)"),
+    ]
+    if r["ceiling_tflops"]:
+        rows.append(("vs ceiling", f"{_percent(r['mfu_vs_ceiling'])} of a measured "
+                                   f"{r['ceiling_tflops']:.3g} TFLOP/s matmul"))
+    rows.append(("peak memory", f"{r['peak_memory_gib']:.2f} GiB ({r['memory_kind']})"))
+    if r["step_split"]:
+        rows.append(("time split", f"compute {r['compute_share']:.1%}, communication {r['comm_share']:.1%} "
+                                   f"(exposed {r['exposed_comm_share']:.1%}), idle {r['idle_share']:.1%} "
+                                   f"of {r['step_split']['window_s']:.2f} s "
+                                   f"profiled ({record['steps']['profiled']} steps)"))
+    if r["kernels_per_step"]:
+        what = "kernels" if record["env"]["device_type"] == "cuda" else "ops"
+        rows.append(("launches", f"{r['kernels_per_step']:,.0f} {what} per step, "
+                                 f"{r['mean_kernel_s'] * 1e6:.1f} us each on average"))
+    if record["kernel_mix"]:
+        rows.append(("kernel mix", ", ".join(f"{kind} {share:.1%}" for kind, share in record["kernel_mix"].items())))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
