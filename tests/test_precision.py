@@ -4,6 +4,7 @@ on a mesh of one rank but no FSDP (`parallel/mixed_precision.py`); through `trai
 (exact resume) and `onenode bench`."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -379,4 +380,32 @@ def test_the_copies_follow_an_optimizer_step_that_counts_no_version(fused_update
             copy = weights.copy_of.get(id(master))
             if copy is not None:
                 assert torch.equal(copy, master.detach().to(copy.dtype)), step
+    assert losses[-1] < losses[0] - 0.2, losses
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not any(map(shutil.which, ("cc", "gcc", "clang"))),
+                    reason="inductor compiles for the CPU with a C++ compiler: none is installed")
+def test_the_compiled_fused_update_writes_the_copies(monkeypatch):
+    """The fused update as a GPU runs it, compiled (here by inductor for the CPU: the input
+    mutations are AOTAutograd's either way): after each step every bf16 copy holds its master, the
+    version check then skips the refresh, and the loss goes down. A compiled pass that updated the
+    masters but not the copies would leave the model computing with its first weights."""
+    from onenode.train import master_update
+
+    config = get_preset("tiny")
+    ids, labels = _batch(config, batch=4)
+    parallel = parallelize(build_model(config, seed=0), ParallelDims(), param_dtype=torch.bfloat16)
+    optimizer = build_optimizer(parallel, lr=3e-3)
+    weights = parallel.master_weights
+    fused = master_update.clip_and_update
+    monkeypatch.setattr(master_update, "clip_and_update",
+                        lambda w, o, m: fused(w, o, m, update=master_update._compiled_adamw))
+    losses = []
+    for _ in range(3):
+        losses.append(train_step(parallel, optimizer, ids, labels)["loss"])
+        for master in parallel.parameters():
+            copy = weights.copy_of.get(id(master))
+            if copy is not None:
+                assert torch.equal(copy, master.detach().to(copy.dtype))
     assert losses[-1] < losses[0] - 0.2, losses
