@@ -324,6 +324,17 @@ def test_a_step_that_applied_other_gradients_zeroes_part1(profile):
     assert re.search(r"first moments .* worst relative error 0\.5 \(tolerance", outputs[0]), outputs[0]
 
 
+def test_a_renamed_parameter_is_named_in_the_feedback(profile):
+    renamed = steps(profile.warmup + profile.repeats)
+    for step in renamed:
+        params = step["moments"]["params"]
+        params["backbone.layers.0.mixer.delta_bias"] = params.pop("backbone.layers.0.mixer.dt_bias")
+    scores, outputs = part1(profile, 1 / 8, run(renamed, 0.1))
+    assert scores == [0, 0]
+    assert "missing backbone.layers.0.mixer.dt_bias; new backbone.layers.0.mixer.delta_bias" in outputs[0]
+    assert "keep the starter's names outside the routed experts" in outputs[0]
+
+
 def test_a_profile_without_a_moments_tolerance_records_them_only(profile):
     scores, outputs = part1(dataclasses.replace(profile, moments_rtol=None), 1 / 8, moments_off_step(profile))
     assert scores[0] == 4.0

@@ -131,3 +131,17 @@ def moments_error(ref: list[dict], sub: list[dict]) -> float:
             return math.inf
         errors.append(_moments_digest_error(r["moments"], s.get("moments")))
     return max(errors)
+
+
+def moments_names_problem(ref: list[dict], sub: list[dict]) -> str | None:
+    """Why the moments could not be compared name by name, in words for the feedback: the
+    parameters the submission's step keeps under other names than the starter's."""
+    try:
+        ours, theirs = set(ref[0]["moments"]["params"]), set(sub[0]["moments"]["params"])
+    except (IndexError, KeyError, TypeError):
+        return None
+    if ours == theirs:
+        return None
+    missing, extra = sorted(ours - theirs), sorted(theirs - ours)
+    return (f"parameters named otherwise than the starter's (missing {', '.join(missing[:3]) or 'none'}; "
+            f"new {', '.join(extra[:3]) or 'none'}): keep the starter's names outside the routed experts")

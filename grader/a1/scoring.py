@@ -20,7 +20,7 @@ from ..assignment import Graded
 from ..errors import GraderError
 from ..runner import SessionResult, run_sessions
 from ..submission import Submission, load_submission, patched_tree
-from .compare import loss_error, moe_error, moments_error
+from .compare import loss_error, moe_error, moments_error, moments_names_problem
 from .job import A1Job
 from .rubric import A1Profile, Part
 
@@ -107,6 +107,8 @@ def grade_moe(ctx: Context) -> None:
                  else "recorded, not scored on this profile until its honest spread is measured")
         checked += (f"; the optimizer's first moments after each step, parameter by parameter and expert by "
                     f"expert: worst relative error {moments:.2g} ({bound})")
+        if (names := moments_names_problem(ref.train.digests, step.digests)) is not None:
+            checked += f": {names}"
         if profile.moments_rtol is not None and not moments <= profile.moments_rtol:
             step_error = math.inf  # the step applied other gradients than the starter's
     step_correct = step_error <= profile.train_rtol
