@@ -80,13 +80,13 @@ def _stand_in_causal_conv1d() -> str:
            final_states_out=None, activation=None):
         return fwd(x, weight, bias, seq_idx, initial_states, final_states_out, activation in ("silu", "swish"))
 
-    def backward_not_given(*args, **kwargs):
-        raise NotImplementedError("the stand-in causal convolution is forward only")
+    def not_given(*args, **kwargs):
+        raise NotImplementedError("the stand-in causal convolution runs the forward of whole sequences only")
 
     package, cpp = types.ModuleType("causal_conv1d"), types.ModuleType("causal_conv1d.cpp_functions")
-    package.causal_conv1d_fn, package.causal_conv1d_update = fn, backward_not_given
+    package.causal_conv1d_fn, package.causal_conv1d_update = fn, not_given
     cpp.causal_conv1d_fwd_function = fwd
-    cpp.causal_conv1d_bwd_function = cpp.causal_conv1d_update_function = backward_not_given
+    cpp.causal_conv1d_bwd_function = cpp.causal_conv1d_update_function = not_given
     package.cpp_functions = cpp
     sys.modules.update({"causal_conv1d": package, "causal_conv1d.cpp_functions": cpp})
     return "stand-in: torch conv1d (forward only)"

@@ -119,7 +119,7 @@ def grade_moe(ctx: Context) -> None:
         share = (share + profile.speed_share("moe_step", whole)) / 2
         timing += f"; {line}"
     elif step is not None and step.ok:
-        timing += "; whole step, reference layout: wrong losses, not timed"
+        timing += "; whole step, reference layout: it trains differently from the starter's, not timed"
     fixed = layer > profile.speed["moe_layer"][0]
     _award(ctx, part, error <= profile.rtol and step_correct, fixed, share, checked, "", timing,
            f"the MoE layer is not faster than the starter's ({layer:.2f}x; {profile.speed['moe_layer'][0]:g}x "
