@@ -9,6 +9,7 @@ end against the baseline."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -104,6 +105,20 @@ def test_replay_on_other_threads_passes(job, submission, capsys):
     assert checks["replay"].ok, checks["replay"].detail
     with capsys.disabled():
         print(f"\nreplay on 2 threads of a 1-thread run: {checks['replay'].detail}")
+
+
+def test_a_profile_that_needs_deterministic_runs_replays_only_those(job, submission, tmp_path):
+    """On a GPU profile two default runs part after a few steps, so a run without
+    `train.deterministic` is refused with the reason and the fix; a run with it is replayed."""
+    strict = dataclasses.replace(job, profile=dataclasses.replace(job.profile, deterministic_runs=True))
+    checks, cost = verified(strict, submission)
+    assert not checks["replay"].ok and "train.deterministic: true" in checks["replay"].detail, checks["replay"].detail
+    assert not cost
+    deterministic = make_reference.assemble(trained_run(TINY, {**SMALL, "train.deterministic": True}),
+                                            tmp_path / "deterministic")
+    checks, _ = verified(strict, deterministic)
+    assert all(c.ok for c in checks.values()), [c.detail for c in checks.values() if not c.ok]
+    assert "bit for bit" in checks["replay"].detail
 
 
 def test_replay_tolerance_passes_float_noise_and_fails_other_training():

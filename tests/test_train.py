@@ -3,6 +3,7 @@ seeded initialisation, checkpoint errors and files that would run code, Muon, Mo
 sweeps, and FSDP on two gloo processes matching one process."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,25 @@ def test_checkpoints_chain_from_the_seeded_initialisation_to_the_export(tmp_path
     other = recipe.with_overrides({"log.every_steps": 3, "data.path": "elsewhere", "checkpoint.every_steps": 1})
     assert other.training_sha256 == recipe.training_sha256  # where data lives and what is logged do not count
     assert recipe.with_overrides({"optimizer.lr": 1e-3}).training_sha256 != recipe.training_sha256
+
+
+def test_a_deterministic_recipe_trains_on_deterministic_kernels(tmp_path, monkeypatch):
+    """`train.deterministic: true` switches the process to kernels that give the same bits on
+    every run (the GPU replay of A2 needs it), and a run with it trains as usual on a CPU."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        trainer = Trainer(_small(**{"train.deterministic": True}), tmp_path, resume=None)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        losses = [trainer.train_step()["loss"] for _ in range(3)]
+        assert losses[-1] < losses[0]
+    finally:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cuda.enable_cudnn_sdp(before[1])
+    assert _small().training_sha256 != _small(**{"train.deterministic": True}).training_sha256  # it decides the bits
 
 
 def test_a_checkpoint_that_would_run_code_does_not_load(tmp_path):

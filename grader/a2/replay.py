@@ -150,10 +150,15 @@ def replay_checks(sub: A2Submission, profile: A2Profile, stack: Path, seed: str,
     from onenode.train.recipe import RecipeError, load_recipe
 
     try:
-        broken = chain_problem(sub.chain, load_recipe(sub.recipe).training_sha256)
+        recipe = load_recipe(sub.recipe)
+        broken = chain_problem(sub.chain, recipe.training_sha256)
     except (RecipeError, OSError):
-        broken = "recipe.yaml does not load"
+        recipe, broken = None, "recipe.yaml does not load"
     spans, problem = ([], f"not replayed: {broken.split(':')[0]}") if broken else replay_plan(sub, profile, seed)
+    if not problem and profile.deterministic_runs and not recipe.train.deterministic:
+        problem = ("the run trained without `train.deterministic: true`: on this profile's GPUs two runs of one "
+                   "recipe part after a few steps on the default kernels, so no replay can tell it from a forgery; "
+                   "train graded runs with it (a2_pretrain/README.md)")
     if problem:
         return [Check("replay", False, problem)], {}
     start = time.monotonic()

@@ -31,6 +31,9 @@ class A2Profile(Profile):
     baseline_set: dict = field(default_factory=dict)
     baseline_checkpoint: str | None = None
     hf_home: str | None = None
+    # replays need runs trained with `train.deterministic: true`: on this profile's GPUs two runs of
+    # one recipe part after a few steps on the default kernels, so no tolerance tells them from a forgery
+    deterministic_runs: bool = False
 
 
 @dataclass(frozen=True)

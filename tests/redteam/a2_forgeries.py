@@ -26,17 +26,52 @@ import yaml
 
 KIT = Path(__file__).resolve().parents[2]
 TINY = KIT / "a2_pretrain" / "recipes" / "tiny.yaml"
-STEPS, TOKENS_PER_STEP = 20, 4 * 32
-BUDGET = STEPS * TOKENS_PER_STEP
-EVERY = 2  # checkpoint every 2 steps: 10 spans
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The size of the runs the forgeries are made of: a recipe, the honest run's steps, batch and
+    sequence length, its checkpoint interval, and the recipe's other settings. The long run trains
+    four times the steps (checkpointing four times as sparsely, so that claiming a quarter of it
+    gives the honest chain's spacing), the wide one four times the batch."""
+
+    recipe: Path
+    steps: int
+    batch: int
+    seq_len: int
+    every: int
+    settings: dict
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.seq_len
+
+    @property
+    def budget(self) -> int:
+        return self.steps * self.tokens_per_step
+
+    @property
+    def small(self) -> dict:
+        return {**self.settings, "train.seq_len": self.seq_len, "train.global_batch_size": self.batch,
+                "train.token_budget": self.budget, "checkpoint.every_steps": self.every, "checkpoint.keep_last": 0}
+
+    @property
+    def long(self) -> dict:
+        return {**self.small, "train.token_budget": 4 * self.budget, "checkpoint.every_steps": 4 * self.every}
+
+    @property
+    def wide(self) -> dict:
+        return {**self.small, "train.global_batch_size": 4 * self.batch, "train.token_budget": 4 * self.budget}
+
+
 # 20 steps of 4 x 32 tokens in 2 micro-batches, a checkpoint every 2 steps (10% of the run: the
 # cpu-tiny profile replays the first, the last and one random span): seconds on the grader's A2 stack.
-SMALL = {"train.seq_len": 32, "train.global_batch_size": 4, "train.micro_batch_size": 2,
-         "train.token_budget": BUDGET, "checkpoint.every_steps": EVERY, "checkpoint.keep_last": 0,
-         "eval.every_steps": 0, "eval.batches": 1, "log.every_steps": 1, "log.tensorboard": False,
-         "log.progress_bar": False}
-LONG = {**SMALL, "train.token_budget": 4 * BUDGET, "checkpoint.every_steps": 8}  # 80 steps
-WIDE = {**SMALL, "train.global_batch_size": 16, "train.token_budget": 4 * BUDGET}  # 20 steps of 16 x 32
+TINY_SCALE = Scale(TINY, steps=20, batch=4, seq_len=32, every=2, settings={
+    "train.micro_batch_size": 2, "eval.every_steps": 0, "eval.batches": 1, "log.every_steps": 1,
+    "log.tensorboard": False, "log.progress_bar": False})
+STEPS, EVERY = TINY_SCALE.steps, TINY_SCALE.every
+TOKENS_PER_STEP, BUDGET = TINY_SCALE.tokens_per_step, TINY_SCALE.budget
+SMALL, LONG, WIDE = TINY_SCALE.small, TINY_SCALE.long, TINY_SCALE.wide  # the honest, 4x-longer and 4x-wider runs
 
 
 def make_reference():
@@ -51,23 +86,25 @@ def make_reference():
 class Runs:
     """The real runs the forgeries start from, each trained once (cached by content)."""
 
-    @staticmethod
-    def _trained(overrides: dict) -> Path:
+    def __init__(self, scale: Scale = TINY_SCALE):
+        self.scale = scale
+
+    def _trained(self, overrides: dict) -> Path:
         from grader.a2.job import trained_run
 
-        return trained_run(TINY, overrides)
+        return trained_run(self.scale.recipe, overrides)
 
     @cached_property
     def honest(self) -> Path:
-        return self._trained(SMALL)
+        return self._trained(self.scale.small)
 
     @cached_property
     def long(self) -> Path:
-        return self._trained(LONG)
+        return self._trained(self.scale.long)
 
     @cached_property
     def wide(self) -> Path:
-        return self._trained(WIDE)
+        return self._trained(self.scale.wide)
 
 
 @dataclass(frozen=True)
@@ -113,10 +150,10 @@ def cut_after(run: Path, step: int) -> None:
     shutil.rmtree(run / "final", ignore_errors=True)
 
 
-def train_on(run: Path, overrides: dict, *options: str) -> None:
+def train_on(runs: Runs, run: Path, overrides: dict, *options: str) -> None:
     from grader.a2.job import train_on_stack
 
-    train_on_stack(TINY, run, overrides, *options)
+    train_on_stack(runs.scale.recipe, run, overrides, *options)
 
 
 def copy_run(run: Path, dest: Path) -> Path:
@@ -136,11 +173,12 @@ def forged_span(step: int) -> Callable[[Runs, Path], Path]:
     from there to the end (the last checkpoint's: final/ too): one span of the chain a lie."""
 
     def build(runs: Runs, dest: Path) -> Path:
+        scale = runs.scale
         work = copy_run(runs.honest, dest / "work")
-        swap_weights(checkpoint(work, step), checkpoint(runs.long, 4 * STEPS))
-        if step < STEPS:
+        swap_weights(checkpoint(work, step), checkpoint(runs.long, 4 * scale.steps))
+        if step < scale.steps:
             cut_after(work, step)
-            train_on(work, SMALL)
+            train_on(runs, work, scale.small)
         else:
             for name in ("model.safetensors", "config.json"):
                 shutil.copy2(runs.long / "final" / name, work / "final" / name)
@@ -149,25 +187,28 @@ def forged_span(step: int) -> Callable[[Runs, Path], Path]:
     return build
 
 
-def rewritten_loader_states(runs: Runs, dest: Path, start: int = 10) -> Path:
-    """The span `start` -> `start + 2` trained on other batches (seed 1's synthetic stream), its
-    checkpoint's meta.json and trainer state rewritten to the honest run's (recipe hash, seed,
-    data position and digest), then the run continued on the right data."""
+def rewritten_loader_states(runs: Runs, dest: Path) -> Path:
+    """The span from the middle checkpoint to the next trained on other batches (seed 1's
+    stream), its checkpoint's meta.json and trainer state rewritten to the honest run's (recipe
+    hash, seed, data position and digest), then the run continued on the right data."""
     import torch
 
+    scale = runs.scale
+    start = middle(scale)
     work = copy_run(runs.honest, dest / "work")
     cut_after(work, start)
-    train_on(work, {**SMALL, "seed": 1}, f"--stop-after={start + EVERY}")
-    end = checkpoint(work, start + EVERY)
+    train_on(runs, work, {**scale.small, "seed": 1}, f"--stop-after={start + scale.every}")
+    end = checkpoint(work, start + scale.every)
     forged = json.loads((end / "meta.json").read_text())
-    honest = json.loads((checkpoint(runs.honest, start + EVERY) / "meta.json").read_text())
+    honest = json.loads((checkpoint(runs.honest, start + scale.every) / "meta.json").read_text())
     (end / "meta.json").write_text(json.dumps({**honest, "weights_sha256": forged["weights_sha256"],
                                                "previous": forged["previous"]}, indent=2))
     state_file = end / "trainer_state_rank0.pt"
     state = torch.load(state_file, weights_only=True)
-    state["loader"] = torch.load(checkpoint(runs.honest, start + EVERY) / state_file.name, weights_only=True)["loader"]
+    state["loader"] = torch.load(checkpoint(runs.honest, start + scale.every) / state_file.name,
+                                 weights_only=True)["loader"]
     torch.save(state, state_file)
-    train_on(work, SMALL)
+    train_on(runs, work, scale.small)
     return assemble(work, dest / "sub")
 
 
@@ -214,9 +255,10 @@ def larger_batch(runs: Runs, dest: Path) -> Path:
 
     from onenode.train.recipe import load_recipe
 
+    scale = runs.scale
     sub = assemble(runs.wide, dest / "sub")
     recipe = yaml.safe_load((sub / "recipe.yaml").read_text())
-    recipe["train"].update(global_batch_size=SMALL["train.global_batch_size"], token_budget=BUDGET)
+    recipe["train"].update(global_batch_size=scale.batch, token_budget=scale.budget)
     (sub / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     claimed = load_recipe(sub / "recipe.yaml").training_sha256
     for meta_path in metas(sub):
@@ -239,22 +281,37 @@ def larger_batch(runs: Runs, dest: Path) -> Path:
         edit_json(path, claim)
     records = [json.loads(line) for line in (sub / "metrics.jsonl").read_text().splitlines()]
     (sub / "metrics.jsonl").write_text("".join(
-        json.dumps({**r, "tokens": r["step"] * TOKENS_PER_STEP}) + "\n" for r in records))
+        json.dumps({**r, "tokens": r["step"] * scale.tokens_per_step}) + "\n" for r in records))
     return sub
+
+
+def middle(scale: Scale) -> int:
+    """The checkpoint step nearest the run's middle."""
+    return scale.steps // 2 // scale.every * scale.every
 
 
 NOT_TRAINED = r"moved .* times as far as any training at the schedule's learning rates can"
 NOT_REPLAYED = r"were not trained by that span"
-FORGERIES = [
-    Forgery("forged-first-span", forged_span(EVERY),
-            {"movement": r"^step_00000000 -> step_00000002 " + NOT_TRAINED, "replay": NOT_REPLAYED}),
-    Forgery("forged-middle-span", forged_span(STEPS // 2), {"movement": r"^step_00000008 -> step_00000010 "
-                                                            + NOT_TRAINED}, slow=False),
-    Forgery("forged-last-span", forged_span(STEPS),
-            {"movement": r"^step_00000018 -> step_00000020 " + NOT_TRAINED, "replay": NOT_REPLAYED}),
-    Forgery("rewritten-loader-states", rewritten_loader_states,
-            {"logged losses": r"loss .* at step 11; step_00000010 has loss .* on the grader's batch of that step"}),
-    Forgery("more-tokens", more_tokens, {"movement": NOT_TRAINED, "replay": NOT_REPLAYED}),
-    Forgery("larger-batch", larger_batch,
-            {"replay": NOT_REPLAYED, "logged losses": r"at step 1; step_00000000 has loss"}),
-]
+
+
+def forgeries(scale: Scale) -> list[Forgery]:
+    """Every forgery class at `scale`, with the checks that must catch it whatever spans are drawn."""
+    def span(end: int) -> str:
+        return rf"^step_{end - scale.every:08d} -> step_{end:08d} "
+
+    half, first, last = middle(scale), scale.every, scale.steps
+    return [
+        Forgery("forged-first-span", forged_span(first),
+                {"movement": span(first) + NOT_TRAINED, "replay": NOT_REPLAYED}),
+        Forgery("forged-middle-span", forged_span(half), {"movement": span(half) + NOT_TRAINED}, slow=False),
+        Forgery("forged-last-span", forged_span(last), {"movement": span(last) + NOT_TRAINED, "replay": NOT_REPLAYED}),
+        Forgery("rewritten-loader-states", rewritten_loader_states,
+                {"logged losses": rf"loss .* at step {half + 1}; step_{half:08d} has loss .* on the grader's batch of "
+                                  "that step"}),
+        Forgery("more-tokens", more_tokens, {"movement": NOT_TRAINED, "replay": NOT_REPLAYED}),
+        Forgery("larger-batch", larger_batch,
+                {"replay": NOT_REPLAYED, "logged losses": r"at step 1; step_00000000 has loss"}),
+    ]
+
+
+FORGERIES = forgeries(TINY_SCALE)

@@ -70,6 +70,9 @@ class TrainSection:
     grad_clip: float = 1.0
     activation_checkpointing: bool = False
     compile: bool = False
+    # GPU kernels that give the same bits on every run (torch's deterministic algorithms, no cuDNN
+    # attention): what a run replayed on a GPU must train with to be verified (A2's GPU profiles)
+    deterministic: bool = False
     device: str = "auto"  # auto: cuda when available, else cpu
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -54,6 +55,18 @@ from .schedule import lr_factor, set_lr
 from .step import build_optimizer, train_step
 
 
+def use_deterministic_kernels() -> None:
+    """Every kernel of a step gives the same bits on every run of the same layout and GPU, so a
+    replayed span lands on its checkpoint exactly: cuBLAS with a fixed workspace, torch's
+    deterministic algorithms (an op that has none fails loudly rather than drifting), and SDPA
+    without cuDNN attention, whose backward accumulates in no fixed order."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, out_dir: str | Path, resume: str | None = "auto"):
         """`resume`: "auto" (the latest checkpoint in out_dir, if any), None (start fresh) or a
@@ -66,6 +79,8 @@ class Trainer:
         self.total_steps = recipe.total_steps
         self.param_dtype = torch.bfloat16 if recipe.train.precision == "bf16" else None
         self._layout()
+        if recipe.train.deterministic:
+            use_deterministic_kernels()
 
         torch.manual_seed(recipe.seed)
         model = build_model(self.config, seed=recipe.seed, device=self.device)
