@@ -134,11 +134,13 @@ def measure_honest(record: dict, scale: Scale, job, work: Path, save, cpu: bool)
         save()
 
 
-def measure_forgeries(record: dict, scale: Scale, job, work: Path, save) -> None:
+def measure_forgeries(record: dict, scale: Scale, job, work: Path, save, only: list[str] | None) -> None:
     import re
 
     runs = Runs(deterministic(scale))
     for forgery in forgeries(runs.scale):
+        if only and forgery.name not in only:
+            continue
         dest = work / forgery.name
         dest.mkdir()
         start = time.monotonic()
@@ -167,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="the record's folder (benchmarks/results/<date>-h200-a2-verification)")
     parser.add_argument("part", choices=("honest", "forgeries"))
     parser.add_argument("--cpu", action="store_true", help="the tiny scale on a CPU, profile cpu-tiny")
+    parser.add_argument("--only", nargs="+", metavar="FORGERY",
+                        help="these forgery classes only (forged-first-span ...)")
     args = parser.parse_args(argv)
     from onenode.train.logging import environment, git_commit
 
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.part == "honest":
             measure_honest(record, scale, job, work, save, args.cpu)
         else:
-            measure_forgeries(record, scale, job, work, save)
+            measure_forgeries(record, scale, job, work, save, args.only)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for part in ("honest", "forgeries"):

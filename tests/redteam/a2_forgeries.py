@@ -6,8 +6,9 @@ grader does not replay. Each is built from real runs of the tiny recipe on the g
 - forged first, middle or last span: one checkpoint's weights swapped for those of a run trained
   four times as long (its recorded hash updated), the rest of the chain trained on from it, so
   every other link is honest;
-- rewritten loader states: one span trained on other batches, its checkpoints' loader states
-  rewritten to the positions the submitted data gives, the run continued on the right data;
+- rewritten loader states: one span trained on other batches (later ones of the same data), its
+  checkpoint's loader state rewritten to the position the submitted data gives, the run continued
+  on the right data;
 - more tokens: a run of four times the budget, every file edited to claim the budget;
 - a larger batch: a run of four times the batch, every file (loader states too) edited to claim
   the recipe's.
@@ -188,22 +189,29 @@ def forged_span(step: int) -> Callable[[Runs, Path], Path]:
 
 
 def rewritten_loader_states(runs: Runs, dest: Path) -> Path:
-    """The span from the middle checkpoint to the next trained on other batches (seed 1's
-    stream), its checkpoint's meta.json and trainer state rewritten to the honest run's (recipe
-    hash, seed, data position and digest), then the run continued on the right data."""
+    """The span from the middle checkpoint to the next trained on other batches (the loader
+    resumed where the run ends, so on batches the run never drew there), the start checkpoint
+    then put back as it was, the end's meta.json and trainer state rewritten to the honest run's
+    (data position and digest), and the run continued on the right data."""
     import torch
 
     scale = runs.scale
     start = middle(scale)
     work = copy_run(runs.honest, dest / "work")
     cut_after(work, start)
-    train_on(runs, work, {**scale.small, "seed": 1}, f"--stop-after={start + scale.every}")
+    state_file = checkpoint(work, start) / "trainer_state_rank0.pt"
+    as_it_was = state_file.read_bytes()
+    state = torch.load(state_file, weights_only=True)
+    state["loader"] = torch.load(checkpoint(runs.honest, scale.steps) / state_file.name, weights_only=True)["loader"]
+    torch.save(state, state_file)
+    train_on(runs, work, scale.small, f"--stop-after={start + scale.every}")
+    state_file.write_bytes(as_it_was)
     end = checkpoint(work, start + scale.every)
     forged = json.loads((end / "meta.json").read_text())
     honest = json.loads((checkpoint(runs.honest, start + scale.every) / "meta.json").read_text())
     (end / "meta.json").write_text(json.dumps({**honest, "weights_sha256": forged["weights_sha256"],
                                                "previous": forged["previous"]}, indent=2))
-    state_file = end / "trainer_state_rank0.pt"
+    state_file = end / state_file.name
     state = torch.load(state_file, weights_only=True)
     state["loader"] = torch.load(checkpoint(runs.honest, start + scale.every) / state_file.name,
                                  weights_only=True)["loader"]
@@ -310,7 +318,7 @@ def forgeries(scale: Scale) -> list[Forgery]:
                                   "that step"}),
         Forgery("more-tokens", more_tokens, {"movement": NOT_TRAINED, "replay": NOT_REPLAYED}),
         Forgery("larger-batch", larger_batch,
-                {"replay": NOT_REPLAYED, "logged losses": r"at step 1; step_00000000 has loss"}),
+                {"replay": NOT_REPLAYED, "logged losses": r"at step \d+; step_\d{8} has loss"}),
     ]
 
 
