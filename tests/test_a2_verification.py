@@ -4,7 +4,9 @@ whatever spans the seed draws; the bounds the per-span check rests on hold for a
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -46,6 +48,22 @@ def test_forgery_is_caught(forgery: Forgery, runs, job, tmp_path):
     for name, reason in forgery.caught_by.items():
         assert not checks[name].ok, f"{name}: {checks[name].detail}"
         assert re.search(reason, checks[name].detail), checks[name].detail
+
+
+@pytest.mark.slow
+def test_the_gpu_measurement_verifies_honest_runs_at_tiny_scale(tmp_path):
+    """benchmarks/a2_verification.py, whose GPU record the GPU tolerances come from, on a CPU:
+    an honest run on the default and on the deterministic kernels, every span replayed bit for bit."""
+    kit = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(kit / "benchmarks" / "a2_verification.py"), str(tmp_path), "honest",
+                           "--cpu"], cwd=kit, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert set(record["honest"]) == {"deterministic-every-2", "default-every-2"}
+    for name, entry in record["honest"].items():
+        assert entry.get("verified"), (name, entry)
+        assert len(entry["spans"]) == 10 and all(span["bitwise"] for span in entry["spans"]), entry["spans"]
+        assert entry["loss_relative_errors"] == [0.0] * 10
 
 
 # -- the bounds ------------------------------------------------------------------------------------

@@ -217,6 +217,8 @@ class Recipe:
             ("train.token_budget", t.token_budget >= self.tokens_per_step,
              f"{t.token_budget} is less than one step (global_batch_size x seq_len = {self.tokens_per_step})"),
             ("train.precision", t.precision in ("bf16", "fp32"), "is bf16 or fp32"),
+            ("train.deterministic", not t.deterministic or self.model.overrides.get("mamba_kernel", "torch") == "torch",
+             "needs model.mamba_kernel: torch (mamba_ssm's Triton backward adds with atomics, in no fixed order)"),
             ("data.source", self.data.source in DATA_SOURCES, "is synthetic, shards, config or megatron"),
             ("data.path", self.data.source == "synthetic" or bool(self.data.path),
              f"is needed with data.source: {self.data.source}"),
