@@ -265,12 +265,35 @@ def test_spans_are_drawn_by_their_steps_within_the_replay_budget():
     steps = [0, *range(1, 46), *range(55, 101)]  # 1-step spans, one of 10 steps (10% of the run) in the middle
     chain = [Link(Path(f"step_{s:08d}"), {"step": s}) for s in steps]
     first, last, long = (0, 1), (len(steps) - 2, len(steps) - 1), (45, 46)
-    draws = [choose_spans(chain, 0.1, f"seed-{i}") for i in range(400)]
+    draws = [choose_spans(chain, 10, f"seed-{i}") for i in range(400)]
     assert all(first in spans and last in spans for spans in draws)
     assert all(sum(steps[j] - steps[i] for i, j in spans if (i, j) not in (first, last)) <= 10 for spans in draws)
-    assert draws[0] == choose_spans(chain, 0.1, "seed-0") != draws[1]
+    assert draws[0] == choose_spans(chain, 10, "seed-0") != draws[1]
     long_drawn = sum(long in spans for spans in draws) / len(draws)
     assert 0.05 < long_drawn < 0.2, long_drawn  # ~its 10% of the steps (uniform order would give ~1%)
+
+
+def test_the_node_time_for_a_replay_bounds_its_plan(job):
+    """With `replay_minutes` at `replay_tokens_per_s`, the first and last spans must fit the time
+    (else the run is refused with the interval that would), and the random spans get what they leave."""
+    from types import SimpleNamespace
+
+    from grader.a2.intake import Link
+    from grader.a2.replay import replay_plan
+
+    layout = {"device": "cpu", "world_size": 1, "threads": 1}
+    chain = [Link(Path(f"step_{s:08d}"), {"step": s, "layout": layout}) for s in range(0, 1001, 10)]  # 100 spans
+    sub = SimpleNamespace(chain=chain)
+    timed = dataclasses.replace(job.profile, replay_fraction=0.1, replay_minutes=1.0, replay_tokens_per_s=100.0)
+    spans, problem = replay_plan(sub, timed, "seed", tokens_per_step=100)  # 60 steps in the time: 20 + 40 random
+    assert problem is None and len(spans) == 2 + 4, spans
+    spans, problem = replay_plan(sub, dataclasses.replace(timed, replay_minutes=0.25), "seed", tokens_per_step=100)
+    assert spans == [] and "first and last spans (20 steps)" in problem and "every 7 steps" in problem, problem
+    spans, _ = replay_plan(sub, dataclasses.replace(timed, replay_minutes=None, replay_tokens_per_s=None), "seed",
+                           tokens_per_step=100)
+    assert len(spans) == 2 + 10  # replay_fraction alone: 100 random steps
+    with pytest.raises(ValueError, match="together"):
+        dataclasses.replace(timed, replay_tokens_per_s=None)
 
 
 def test_detection_probability_is_the_chance_a_forged_middle_span_is_drawn():

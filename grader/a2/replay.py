@@ -46,15 +46,14 @@ from .rubric import A2Profile
 HARNESS = Path(__file__).with_name("replay_harness.py")
 
 
-def choose_spans(chain: list[Link], fraction: float, seed: str) -> list[tuple[int, int]]:
+def choose_spans(chain: list[Link], random_steps: int, seed: str) -> list[tuple[int, int]]:
     """The first and the last span (indices of consecutive checkpoints), then spans drawn at
     random, each as likely as the steps it holds (a long span hidden among many short ones is
-    drawn as often as its steps say), while the random ones stay within `fraction` of the run's
-    steps."""
-    budget, rng = fraction * chain[-1].step, random.Random(seed)
+    drawn as often as its steps say), while the random ones add up to at most `random_steps`."""
+    rng = random.Random(seed)
     steps = {(i, i + 1): chain[i + 1].step - chain[i].step for i in range(len(chain) - 1)}
     chosen, used = sorted({(0, 1), (len(chain) - 2, len(chain) - 1)}), 0
-    while fitting := [span for span in steps if span not in chosen and used + steps[span] <= budget]:
+    while fitting := [span for span in steps if span not in chosen and used + steps[span] <= random_steps]:
         span = rng.choices(fitting, weights=[steps[s] for s in fitting])[0]
         chosen.append(span)
         used += steps[span]
@@ -83,8 +82,12 @@ def detection_line(spans: int, drawn: int) -> str:
             f"the movement bound and the recorded losses is caught {odds}")
 
 
-def replay_plan(sub: A2Submission, profile: A2Profile, seed: str) -> tuple[list[tuple[int, int]], str | None]:
-    """The spans to replay, or why the run cannot be replayed on this profile's machine."""
+def replay_plan(sub: A2Submission, profile: A2Profile, seed: str,
+                tokens_per_step: int) -> tuple[list[tuple[int, int]], str | None]:
+    """The spans to replay, or why the run cannot be replayed on this profile's machine. The
+    random spans add up to at most `replay_fraction` of the run's steps and, where the profile
+    gives the node's time for it (`replay_minutes` at `replay_tokens_per_s`), to what that time
+    leaves after the first and the last span."""
     chain = sub.chain
     layout = chain[-1].meta.get("layout")
     if not isinstance(layout, dict) or layout.get("device") not in ("cpu", "cuda") or not all(
@@ -94,13 +97,22 @@ def replay_plan(sub: A2Submission, profile: A2Profile, seed: str) -> tuple[list[
         return [], f"the run trained on {layout['device']}; this profile replays on {profile.device}"
     if chain[-1].step == 0:
         return [], "the chain holds no training step"
-    longest = max(b.step - a.step for a, b in zip(chain, chain[1:]))
     allowed = int(profile.replay_fraction * chain[-1].step)
+    if profile.replay_minutes is not None:
+        in_time = int(profile.replay_minutes * 60 * profile.replay_tokens_per_s / tokens_per_step)
+        ends = sum(chain[i + 1].step - chain[i].step for i in {0, len(chain) - 2})
+        if ends > in_time:
+            return [], (f"its first and last spans ({ends} steps) take longer to replay than the "
+                        f"{profile.replay_minutes:g} minutes this profile gives a run ({in_time} steps of "
+                        f"{tokens_per_step:,} tokens): checkpoint at least every {max(in_time // 2, 1)} steps "
+                        "(checkpoint.every_steps)")
+        allowed = min(allowed, in_time - ends)
+    longest = max(b.step - a.step for a, b in zip(chain, chain[1:]))
     if longest > allowed:
-        return [], (f"checkpoints up to {longest} steps apart: the grader replays at most "
-                    f"{profile.replay_fraction:.0%} of the run's {chain[-1].step} steps, so checkpoint at least every "
-                    f"{max(allowed, 1)} steps (checkpoint.every_steps)")
-    return choose_spans(chain, profile.replay_fraction, seed), None
+        return [], (f"checkpoints up to {longest} steps apart: the grader replays at random at most {allowed} of "
+                    f"the run's {chain[-1].step} steps, so checkpoint at least every {max(allowed, 1)} steps "
+                    "(checkpoint.every_steps)")
+    return choose_spans(chain, allowed, seed), None
 
 
 def run_harness(sub: A2Submission, stack: Path, spans: list[tuple[int, int]], profile: A2Profile, logs: Path,
@@ -154,7 +166,8 @@ def replay_checks(sub: A2Submission, profile: A2Profile, stack: Path, seed: str,
         broken = chain_problem(sub.chain, recipe.training_sha256)
     except (RecipeError, OSError):
         recipe, broken = None, "recipe.yaml does not load"
-    spans, problem = ([], f"not replayed: {broken.split(':')[0]}") if broken else replay_plan(sub, profile, seed)
+    spans, problem = ([], f"not replayed: {broken.split(':')[0]}") if broken else \
+        replay_plan(sub, profile, seed, recipe.tokens_per_step)
     if not problem and profile.deterministic_runs and not recipe.train.deterministic:
         problem = ("the run trained without `train.deterministic: true`: on this profile's GPUs two runs of one "
                    "recipe part after a few steps on the default kernels, so no replay can tell it from a forgery; "

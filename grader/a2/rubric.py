@@ -34,6 +34,14 @@ class A2Profile(Profile):
     # replays need runs trained with `train.deterministic: true`: on this profile's GPUs two runs of
     # one recipe part after a few steps on the default kernels, so no tolerance tells them from a forgery
     deterministic_runs: bool = False
+    # the machine's time for one run's replay, and the grader's replay rate there: the random spans
+    # fill what the first and the last leave of it (None: replay_fraction alone bounds the replay)
+    replay_minutes: float | None = None
+    replay_tokens_per_s: float | None = None
+
+    def __post_init__(self):
+        if (self.replay_minutes is None) != (self.replay_tokens_per_s is None):
+            raise ValueError(f"A2 profile {self.name}: give replay_minutes and replay_tokens_per_s together")
 
 
 @dataclass(frozen=True)
