@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from grader.a1 import scoring
-from grader.a1.compare import loss_error, moe_error, moments_error, relative_error
+from grader.a1.compare import loss_error, moe_error, moments_error, relative_error, worst_moments
 from grader.a1.rubric import load_rubric, speed_share
 from grader.runner import SessionResult
 
@@ -209,6 +209,17 @@ def test_malformed_moments_are_infinitely_wrong(edit):
     sub = steps()
     edit(sub[1]["moments"])
     assert moments_error(steps(), sub) == math.inf
+
+
+def test_the_worst_moments_name_where_the_error_comes_from():
+    sub = steps()
+    sub[2]["moments"]["experts"]["backbone.layers.1.mixer."][0][1] *= 3.0
+    sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] *= 1.02
+    worst = worst_moments(steps(), sub, count=2)
+    assert [(w["step"], w["name"]) for w in worst] == [(2, "backbone.layers.1.mixer.experts.0.down_proj"),
+                                                        (1, "backbone.layers.0.mixer.dt_bias")]
+    assert worst[0]["yours"] == pytest.approx(3 * worst[0]["starter"]) and worst[0]["error"] == pytest.approx(1.0)
+    assert worst_moments(steps(), [None] * 3) == []
 
 
 @pytest.mark.parametrize("sub", [None, [], [{"loss": 4.0}] * 3], ids=["none", "empty", "no-moments"])

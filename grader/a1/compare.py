@@ -97,26 +97,34 @@ def _squared_norm_error(ref, sub) -> float:
     return relative_error(sub, ref, 2 * ref) if _number(ref) is not None else math.inf
 
 
-def _moments_digest_error(ref: dict, sub) -> float:
-    """One step's optimizer moments (harness `OptimizerMoments`): every parameter's by the
-    starter's name, every routed expert's up and down projection's, each on its own scale."""
+def _moments_digest_errors(ref: dict, sub) -> list[tuple[float, str, float, float]] | None:
+    """One step's optimizer moments (harness `OptimizerMoments`) entry by entry: (error, what,
+    the starter's, the submission's) for every parameter by the starter's name and every routed
+    expert's up and down projection, each on its own scale; None when malformed."""
     if not isinstance(sub, dict) or set(sub) != {"params", "experts"}:
-        return math.inf
+        return None
     params, experts = sub["params"], sub["experts"]
     if not isinstance(params, dict) or set(params) != set(ref["params"]):
-        return math.inf
+        return None
     if not isinstance(experts, dict) or set(experts) != set(ref["experts"]):
-        return math.inf
-    errors = [_squared_norm_error(value, params[name]) for name, value in ref["params"].items()]
+        return None
+    errors = [(_squared_norm_error(value, params[name]), name, value, params[name])
+              for name, value in ref["params"].items()]
     for prefix, ours in ref["experts"].items():
         theirs = experts[prefix]
         if not _same_length(ours, theirs):
-            return math.inf
-        for pair, other in zip(ours, theirs):
+            return None
+        for j, (pair, other) in enumerate(zip(ours, theirs)):
             if not _same_length(pair, other):
-                return math.inf
-            errors += [_squared_norm_error(a, b) for a, b in zip(pair, other)]
-    return max(errors, default=0.0)
+                return None
+            errors += [(_squared_norm_error(a, b), f"{prefix}experts.{j}.{projection}", a, b)
+                       for projection, a, b in zip(("up_proj", "down_proj"), pair, other)]
+    return errors
+
+
+def _moments_digest_error(ref: dict, sub) -> float:
+    errors = _moments_digest_errors(ref, sub)
+    return math.inf if errors is None else max((e for e, *_ in errors), default=0.0)
 
 
 def moments_error(ref: list[dict], sub: list[dict]) -> float:
@@ -131,6 +139,19 @@ def moments_error(ref: list[dict], sub: list[dict]) -> float:
             return math.inf
         errors.append(_moments_digest_error(r["moments"], s.get("moments")))
     return max(errors)
+
+
+def worst_moments(ref: list[dict], sub: list[dict], count: int = 5) -> list[dict]:
+    """The `count` entries of the moments farthest from the starter's over every step (the
+    feedback's record of where `moments_error` comes from); nothing when they are malformed."""
+    entries = []
+    for step, (r, s) in enumerate(zip(ref, sub)):
+        errors = _moments_digest_errors(r.get("moments") or {}, s.get("moments")) \
+            if isinstance(s, dict) and isinstance(r.get("moments"), dict) else None
+        entries += [{"step": step, "name": name, "starter": a, "yours": b, "error": e if math.isfinite(e) else None}
+                    for e, name, a, b in errors or []]
+    entries.sort(key=lambda entry: -math.inf if entry["error"] is None else -entry["error"])
+    return entries[:count]
 
 
 def moments_names_problem(ref: list[dict], sub: list[dict]) -> str | None:

@@ -20,7 +20,7 @@ from ..assignment import Graded
 from ..errors import GraderError
 from ..runner import SessionResult, run_sessions
 from ..submission import Submission, load_submission, patched_tree
-from .compare import loss_error, moe_error, moments_error, moments_names_problem
+from .compare import loss_error, moe_error, moments_error, moments_names_problem, worst_moments
 from .job import A1Job
 from .rubric import A1Profile, Part
 
@@ -37,6 +37,7 @@ class Context:
     tests: list[dict] = field(default_factory=list)
     leaderboard: list[dict] = field(default_factory=list)
     measurements: dict = field(default_factory=dict)
+    records: dict = field(default_factory=dict)  # lists for results.json's extra_data (not leaderboard columns)
 
     @property
     def failures(self) -> dict[str, str]:
@@ -103,6 +104,7 @@ def grade_moe(ctx: Context) -> None:
         checked += f"; whole step, reference layout: {_checked(step, step_error, profile.train_rtol)}"
         moments = moments_error(ref.train.digests, step.digests)
         ctx.measurements["moments_error"] = moments if math.isfinite(moments) else None
+        ctx.records["moments_worst"] = worst_moments(ref.train.digests, step.digests)
         bound = (f"tolerance {profile.moments_rtol:g}" if profile.moments_rtol is not None
                  else "recorded, not scored on this profile until its honest spread is measured")
         checked += (f"; the optimizer's first moments after each step, parameter by parameter and expert by "
@@ -313,4 +315,4 @@ def grade(job: A1Job, path: Path, work: Path, logs: Path) -> Graded:
         if job.notebooks or step is not grade_notebook:
             step(ctx)
     return Graded(ctx.tests, ctx.leaderboard, ctx.measurements, ctx.failures,
-                  extra_data={"changed_files": submission.changed_files})
+                  extra_data={"changed_files": submission.changed_files, **ctx.records})
