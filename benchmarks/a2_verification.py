@@ -8,9 +8,11 @@ profiles' `replay_tolerance` and `loss_tolerance` in a2_pretrain/rubric.toml are
     python benchmarks/a2_verification.py OUT honest --cpu  # the tiny scale on a CPU (checks the path)
 
 `honest`: the baseline recipe at one-GPU scale (below), 16 steps, verified with checkpoints every
-4 and every 8 steps on the GPU's default kernels, and every 4 with `train.deterministic: true`;
-then the deterministic mode's cost: the baseline recipe's own model (25 layers, 64 experts), 12
-steps of 8 x 4096 tokens each way, tokens per second from the run's manifest.
+4 and every 8 steps on the GPU's default kernels, and every 4 with `train.deterministic: true`
+(`--only` adds seed 1 and compiled blocks under the mode: `deterministic-seed-1-every-4`,
+`deterministic-compiled-every-4`); then the deterministic mode's cost: the baseline recipe's own
+model (25 layers, 64 experts), 12 steps of 8 x 4096 tokens each way, tokens per second from the
+run's manifest.
 `forgeries`: each forgery built from deterministic runs (the honest, a 4x-longer and a 4x-wider
 one) and verified; it is caught when every check its class names fails as it says.
 
@@ -85,21 +87,34 @@ def verified(job, sub: Path, logs: Path) -> dict:
             "replay_seconds": cost.get("replay_seconds"), "seconds": round(time.monotonic() - start, 1)}
 
 
-def honest_cases(scale: Scale, cpu: bool) -> dict:
+def honest_cases(scale: Scale) -> dict:
     """Name -> the scale of an honest run: deterministic kernels (first: the forgeries' runs need
-    them), then the default ones with two span lengths."""
-    base = deterministic(scale, False)
-    cases = {f"deterministic-every-{scale.every}": deterministic(scale), f"default-every-{scale.every}": base,
-             f"default-every-{2 * scale.every}": every(base, 2 * scale.every)}
-    return cases if not cpu else {name: cases[name] for name in list(cases)[:2]}
+    them), the default ones with two span lengths, then another seed and compiled blocks under
+    the deterministic mode (those two only when named with --only)."""
+    base, strict = deterministic(scale, False), deterministic(scale)
+    return {f"deterministic-every-{scale.every}": strict, f"default-every-{scale.every}": base,
+            f"default-every-{2 * scale.every}": every(base, 2 * scale.every),
+            f"deterministic-seed-1-every-{scale.every}": setting(strict, seed=1),
+            f"deterministic-compiled-every-{scale.every}": setting(strict, **{"train.compile": True})}
+
+
+def setting(scale: Scale, **settings) -> Scale:
+    return dataclasses.replace(scale, settings={**scale.settings, **settings})
 
 
 def failure(e: Exception) -> dict:
     return {"error": f"{type(e).__name__}: {e}"[-800:]}
 
 
-def measure_honest(record: dict, scale: Scale, job, work: Path, save, cpu: bool) -> None:
-    for name, case in honest_cases(scale, cpu).items():
+def measure_honest(record: dict, scale: Scale, job, work: Path, save, cpu: bool, only: list[str] | None) -> None:
+    """The honest cases (by default the first two on a CPU, three on a GPU), then on a GPU the
+    deterministic mode's cost (unless --only names cases and not `cost`)."""
+    cases = honest_cases(scale)
+    names = only or list(cases)[:2 if cpu else 3]
+    unknown = sorted(set(names) - set(cases) - {"cost"})
+    if unknown:
+        raise SystemExit(f"no honest case {', '.join(unknown)}: choose among {', '.join(cases)} or cost")
+    for name, case in ((name, cases[name]) for name in names if name in cases):
         start = time.monotonic()
         try:
             run = Runs(case).honest
@@ -114,7 +129,7 @@ def measure_honest(record: dict, scale: Scale, job, work: Path, save, cpu: bool)
         record["honest"][name] = entry
         shutil.rmtree(work / name)
         save()
-    if cpu:
+    if cpu or (only and "cost" not in only):
         return
     from grader.a2.job import train_on_stack
 
@@ -138,7 +153,11 @@ def measure_forgeries(record: dict, scale: Scale, job, work: Path, save, only: l
     import re
 
     runs = Runs(deterministic(scale))
-    for forgery in forgeries(runs.scale):
+    classes = forgeries(runs.scale)
+    unknown = sorted(set(only or []) - {forgery.name for forgery in classes})
+    if unknown:
+        raise SystemExit(f"no forgery {', '.join(unknown)}: choose among {', '.join(f.name for f in classes)}")
+    for forgery in classes:
         if only and forgery.name not in only:
             continue
         dest = work / forgery.name
@@ -169,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="the record's folder (benchmarks/results/<date>-h200-a2-verification)")
     parser.add_argument("part", choices=("honest", "forgeries"))
     parser.add_argument("--cpu", action="store_true", help="the tiny scale on a CPU, profile cpu-tiny")
-    parser.add_argument("--only", nargs="+", metavar="FORGERY",
-                        help="these forgery classes only (forged-first-span ...)")
+    parser.add_argument("--only", nargs="+", metavar="CASE",
+                        help="these cases only: honest runs (deterministic-seed-1-every-4, "
+                             "deterministic-compiled-every-4, ..., cost) or forgery classes (forged-first-span, ...)")
     args = parser.parse_args(argv)
     from onenode.train.logging import environment, git_commit
 
@@ -195,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     save()
     try:
         if args.part == "honest":
-            measure_honest(record, scale, job, work, save, args.cpu)
+            measure_honest(record, scale, job, work, save, args.cpu, args.only)
         else:
             measure_forgeries(record, scale, job, work, save, args.only)
     finally:
