@@ -245,6 +245,21 @@ def test_experts_not_held_as_loaded_are_refused_in_one_line():
         harness.ExpertSlots(layer, state, "m.", 4)
 
 
+def test_the_ranks_moments_merge_into_one_reading_and_a_lost_expert_fails(monkeypatch):
+    """Over several ranks each holds some experts (expert parallelism) or some parameters (a
+    pipeline stage): merged, they read as one rank would; an expert no rank holds fails."""
+    harness = _harness()
+    layer = Stacked(_starter_state())
+    first = {"params": {"b": 2.0}, "experts": {"m.": [[1.0, 2.0], [None, None]]}}
+    second = {"params": {"a": 1.0, "b": 2.0}, "experts": {"m.": [[None, None], [3.0, 4.0]]}}
+    moments = harness.OptimizerMoments(layer, {}, type("Config", (), {"n_routed_experts": 2})(), world=2)
+    monkeypatch.setattr(harness, "gathered", lambda reading: [first, second])
+    assert moments._merged(first) == {"params": {"a": 1.0, "b": 2.0}, "experts": {"m.": [[1.0, 2.0], [3.0, 4.0]]}}
+    second["experts"]["m."][1][1] = None
+    with pytest.raises(RuntimeError, match=r"m\.: expert 1's down_proj was not found .* on some rank"):
+        moments._merged(first)
+
+
 def test_the_harness_never_reads_the_submissions_adapter():
     assert "onenode.adapters" not in (KIT / "grader" / "a1" / "harness.py").read_text()
 

@@ -52,14 +52,15 @@ def test_forgery_is_caught(forgery: Forgery, runs, job, tmp_path):
 
 @pytest.mark.slow
 def test_the_gpu_measurement_verifies_honest_runs_at_tiny_scale(tmp_path):
-    """benchmarks/a2_verification.py, whose GPU record the GPU tolerances come from, on a CPU:
-    an honest run on the default and on the deterministic kernels, every span replayed bit for bit."""
+    """benchmarks/a2_verification.py, whose GPU record the GPU tolerances come from, on a CPU: an
+    honest run (the one the tests above train) verified with every span replayed bit for bit (the
+    deterministic mode's run: tests/test_a2_grader.py)."""
     kit = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, str(kit / "benchmarks" / "a2_verification.py"), str(tmp_path), "honest",
-                           "--cpu"], cwd=kit, capture_output=True, text=True, timeout=900)
+                           "--cpu", "--only", "default-every-2"], cwd=kit, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads((tmp_path / "record.json").read_text())
-    assert set(record["honest"]) == {"deterministic-every-2", "default-every-2"}
+    assert set(record["honest"]) == {"default-every-2"}
     for name, entry in record["honest"].items():
         assert entry.get("verified"), (name, entry)
         assert len(entry["spans"]) == 10 and all(span["bitwise"] for span in entry["spans"]), entry["spans"]

@@ -88,12 +88,17 @@ class ExpertSlots:
 
     LAYOUT = {"up": "up_proj", "down": "down_proj"}  # the starter's expert j: experts.{j}.<name>.weight
 
-    def __init__(self, layer, state: dict, prefix: str, experts: int):
+    def __init__(self, layer, state: dict, prefix: str, experts: int, whole: bool = True):
+        """`whole`: every expert must be in `layer` (one process); else a rank may hold some of
+        them (expert parallelism: the ranks' slots are merged by `OptimizerMoments`), and an
+        expert it does not hold has the slot None. A sharded parameter is read whole (a
+        collective: every rank of its mesh builds the same layer in the same order)."""
         import torch
 
         candidates: dict[tuple, list] = {}  # (shape, first values) -> [(param, row, transposed)]
+        values = {}
         for param in layer.parameters():
-            data = param.detach()
+            data = values[id(param)] = _whole(param.detach())
             rows = [(None, data)] if data.dim() == 2 else list(enumerate(data)) if data.dim() == 3 else []
             for row, tensor in rows:
                 for transposed, view in ((False, tensor), (True, tensor.T)):
@@ -104,13 +109,11 @@ class ExpertSlots:
             for j in range(experts):
                 weight = state[f"{prefix}experts.{j}.{name}.weight"]
                 found = [(param, row, transposed) for param, row, transposed in candidates.get(self._key(weight), [])
-                         if torch.equal(self._view(param.detach(), row, transposed),
+                         if torch.equal(self._view(values[id(param)], row, transposed),
                                         weight.to(param.device, param.dtype))]
-                if not found:
-                    raise RuntimeError(f"expert {j}'s {name} was not found among the MoE layer's parameters: keep "
-                                       f"each expert's weights, as loaded, in a parameter of their own "
-                                       f"{tuple(weight.shape)} or in row {j} of a stacked one ({experts}, ...)")
-                self.slots[projection].append(found[0])
+                if not found and whole:
+                    raise RuntimeError(expert_missing(j, name, tuple(weight.shape), experts))
+                self.slots[projection].append(found[0] if found else None)
 
     @staticmethod
     def _key(tensor) -> tuple:
@@ -129,6 +132,18 @@ class ExpertSlots:
         return tuple(torch.stack([self._view(param.grad if param.grad is not None else torch.zeros_like(param), row,
                                              transposed) for param, row, transposed in slots])
                      for slots in self.slots.values())
+
+
+def expert_missing(j: int, name: str, shape: tuple, experts: int) -> str:
+    return (f"expert {j}'s {name} was not found among the MoE layer's parameters: keep each expert's weights, as "
+            f"loaded, in a parameter of their own {shape} or in row {j} of a stacked one ({experts}, ...)")
+
+
+def _whole(tensor):
+    """A sharded tensor's full value (a collective over its mesh), any other as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _sketch(t, *directions) -> list[float]:
@@ -218,49 +233,103 @@ class OptimizerMoments:
     squared norm of each parameter's AdamW first moment (after the first step, the clipped gradient
     times 1 - beta1), keyed by the starter's name, and each routed expert's, found by value as
     `ExpertSlots` finds it. The training path itself fills that state; the grader asks nothing of it.
-    A parameter the optimizer did not step reads as zero. One rank only: a layout that shards or
-    splits the state across ranks has no layout-free reading of it here."""
+    A parameter the optimizer did not step reads as zero.
+
+    Over several ranks the reading is the same whatever the layout: a sharded moment is read whole
+    (every rank of its mesh reads the same parameters in the same order), a pipeline stage gives
+    the parameters it holds (their names are the whole model's), an expert is read where a rank
+    holds it, and the ranks' readings are merged, so a layout reads as one rank would."""
 
     WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
-    def __init__(self, model, state: dict, config):
+    def __init__(self, model, state: dict, config, world: int = 1):
+        import re
+
+        self.world = world
+        self.count = config.n_routed_experts
+        modules = model.stage_modules if hasattr(model, "stage_modules") else [model]
         self.experts = {}
-        for i, layer in enumerate(model.backbone.layers):
-            prefix = f"backbone.layers.{i}.mixer."
-            if f"{prefix}experts.0.up_proj.weight" in state:
-                self.experts[prefix] = ExpertSlots(layer.mixer, state, prefix, config.n_routed_experts)
-        in_slots = {id(param) for slots in self.experts.values() for column in slots.slots.values()
-                    for param, _, _ in column}
+        for module in modules:
+            for name, layer in module.named_modules():
+                prefix = self.plain(name) + "."
+                if (re.fullmatch(r"backbone\.layers\.\d+\.mixer\.", prefix) and prefix not in self.experts
+                        and f"{prefix}experts.0.up_proj.weight" in state):
+                    self.experts[prefix] = ExpertSlots(layer, state, prefix, self.count, whole=world == 1)
+        in_slots = {id(slot[0]) for slots in self.experts.values() for column in slots.slots.values()
+                    for slot in column if slot is not None}
         self.params = {}
-        for name, param in model.named_parameters():
-            if id(param) not in in_slots:
-                for wrapper in self.WRAPPERS:
-                    name = name.replace(wrapper, "")
-                self.params[name] = param
+        for module in modules:
+            for name, param in module.named_parameters():
+                if id(param) not in in_slots:
+                    self.params.setdefault(self.plain(name), param)
+
+    @classmethod
+    def plain(cls, name: str) -> str:
+        for wrapper in cls.WRAPPERS:
+            name = name.replace(wrapper, "")
+        return name
 
     @staticmethod
     def _moment(optimizer, param, row=None):
+        """The first moment (whole), or None where the optimizer keeps none; a sharded
+        parameter without one reads as zeros, so that every rank of its mesh takes part."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
         moment = optimizer.state.get(param, {}).get("exp_avg")
+        if moment is None and isinstance(param, DTensor):
+            moment = torch.zeros_like(param)
         if moment is None:
             return None
+        moment = _whole(moment)
         return moment if row is None else moment[row]
 
     def digest(self, optimizer) -> dict:
         import torch
 
         named = [(name, self._moment(optimizer, p)) for name, p in self.params.items()]
-        experts = [(prefix, [self._moment(optimizer, param, row) for column in slots.slots.values()
-                             for param, row, _ in column]) for prefix, slots in self.experts.items()]
-        tensors = [t for _, t in named if t is not None] + [t for _, ts in experts for t in ts if t is not None]
+        experts = [(prefix, [None if slot is None else self._moment(optimizer, slot[0], slot[1])
+                             for column in slots.slots.values() for slot in column], slots)
+                   for prefix, slots in self.experts.items()]
+        tensors = [t for _, t in named if t is not None] + [t for _, ts, _ in experts for t in ts if t is not None]
         norms = iter(torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).double().square().tolist()
                      if tensors else [])
         params = {name: 0.0 if t is None else next(norms) for name, t in named}
         per_expert = {}
-        for prefix, moments in experts:
-            flat = [0.0 if t is None else next(norms) for t in moments]
+        for prefix, moments, slots in experts:
+            held = [slot is not None for column in slots.slots.values() for slot in column]
+            flat = [None if not here else 0.0 if t is None else next(norms) for t, here in zip(moments, held)]
             half = len(flat) // 2  # up then down, expert by expert
             per_expert[prefix] = [[up, down] for up, down in zip(flat[:half], flat[half:])]
-        return {"params": params, "experts": per_expert}
+        reading = {"params": params, "experts": per_expert}
+        return reading if self.world == 1 else self._merged(reading)
+
+    def _merged(self, reading: dict) -> dict:
+        """Every rank's reading as one: a parameter from the first rank that holds it, each
+        expert's projection from the first rank that holds it (none: the layout lost it)."""
+        params, experts = {}, {}
+        for theirs in gathered(reading):
+            for name, value in theirs["params"].items():
+                params.setdefault(name, value)
+            for prefix, pairs in theirs["experts"].items():
+                ours = experts.setdefault(prefix, [[None, None] for _ in pairs])
+                for j, pair in enumerate(pairs):
+                    ours[j] = [a if a is not None else b for a, b in zip(ours[j], pair)]
+        for prefix, pairs in experts.items():
+            for j, pair in enumerate(pairs):
+                for value, name in zip(pair, ExpertSlots.LAYOUT.values()):
+                    if value is None:
+                        raise RuntimeError(f"{prefix}: " + expert_missing(j, name, (), self.count) + " on some rank")
+        return {"params": dict(sorted(params.items())), "experts": dict(sorted(experts.items()))}
+
+
+def gathered(value) -> list:
+    """`value` from every rank of the default group."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 class TrainSession:
@@ -288,7 +357,8 @@ class TrainSession:
 
         self.model = model
         self.optimizer = build_optimizer(model)
-        self.moments = OptimizerMoments(model, state, self.config) if self.world == 1 else None
+        with counter.paused():  # reading sharded weights whole is the grader's traffic, not the layout's
+            self.moments = OptimizerMoments(model, state, self.config, self.world)
 
     def info(self) -> dict:
         """Bytes of parameters this rank holds (shards, not the full tensors)."""
@@ -323,7 +393,8 @@ class TrainSession:
 
             with self.counter.paused():
                 loss = mean_over_ranks(loss, self.device)
-        moments = self.moments.digest(self.optimizer) if self.moments is not None else None
+        with self.counter.paused():
+            moments = self.moments.digest(self.optimizer)
         return {"loss": loss, "grad_norm": out.get("grad_norm"), "bytes": moved, "moments": moments}
 
 

@@ -102,16 +102,9 @@ def grade_moe(ctx: Context) -> None:
     else:
         step_error = loss_error(ref.train.digests, step.digests)
         checked += f"; whole step, reference layout: {_checked(step, step_error, profile.train_rtol)}"
-        moments = moments_error(ref.train.digests, step.digests)
-        ctx.measurements["moments_error"] = moments if math.isfinite(moments) else None
-        ctx.records["moments_worst"] = worst_moments(ref.train.digests, step.digests)
-        bound = (f"tolerance {profile.moments_rtol:g}" if profile.moments_rtol is not None
-                 else "recorded, not scored on this profile until its honest spread is measured")
-        checked += (f"; the optimizer's first moments after each step, parameter by parameter and expert by "
-                    f"expert: worst relative error {moments:.2g} ({bound})")
-        if (names := moments_names_problem(ref.train.digests, step.digests)) is not None:
-            checked += f": {names}"
-        if profile.moments_rtol is not None and not moments <= profile.moments_rtol:
+        moments_ok, line = _moments_checked(ctx, ref.train.digests, step.digests, "moments")
+        checked += f"; {line}"
+        if not moments_ok:
             step_error = math.inf  # the step applied other gradients than the starter's
     step_correct = step_error <= profile.train_rtol
     share = profile.speed_share("moe_layer", layer)
@@ -160,6 +153,23 @@ def _checked(run: SessionResult, error: float, rtol: float) -> str:
             f"worst relative error {error:.2g} (tolerance {rtol:g})")
 
 
+def _moments_checked(ctx: Context, ref: list[dict], digests: list[dict], key: str) -> tuple[bool, str]:
+    """The optimizer's first moments after each step against the starter's (`compare.moments_error`):
+    whether they pass the profile's `moments_rtol` (always, where it has none: recorded only), and
+    the feedback's words. Records `<key>_error` and the worst entries, `<key>_worst`."""
+    profile = ctx.job.profile
+    moments = moments_error(ref, digests)
+    ctx.measurements[f"{key}_error"] = moments if math.isfinite(moments) else None
+    ctx.records[f"{key}_worst"] = worst_moments(ref, digests)
+    bound = (f"tolerance {profile.moments_rtol:g}" if profile.moments_rtol is not None
+             else "recorded, not scored on this profile until its honest spread is measured")
+    line = (f"the optimizer's first moments after each step, parameter by parameter and expert by expert: worst "
+            f"relative error {moments:.2g} ({bound})")
+    if (names := moments_names_problem(ref, digests)) is not None:
+        line += f": {names}"
+    return profile.moments_rtol is None or moments <= profile.moments_rtol, line
+
+
 def grade_ep(ctx: Context) -> None:
     """Part 2: the ep layout trains like the reference, and the expert weights stop travelling:
     the traffic between its ranks, read by the grader, against the starter's in the same layout."""
@@ -182,10 +192,11 @@ def grade_ep(ctx: Context) -> None:
                f"{yours / 2**20:.2f} MiB; expert weights are {expert_share:.0%} of the model, so about "
                f"{expert_ratio:.0%} of the starter's expert traffic remains (at most "
                f"{profile.max_expert_traffic:.0%} passes)")
+    moments_ok, moments_line = _moments_checked(ctx, ref.ep.digests, run.digests, "ep_moments")
     speedup, timing = _step_numbers(ctx, run, ref.ep, "ep")
-    _award(ctx, part, error <= profile.train_rtol, expert_ratio <= profile.max_expert_traffic,
-           profile.speed_share("ep_step", speedup), _checked(run, error, profile.train_rtol), feature, timing,
-           "the expert weights still travel between the ranks")
+    _award(ctx, part, error <= profile.train_rtol and moments_ok, expert_ratio <= profile.max_expert_traffic,
+           profile.speed_share("ep_step", speedup), f"{_checked(run, error, profile.train_rtol)}; {moments_line}",
+           feature, timing, "the expert weights still travel between the ranks")
 
 
 def grade_pp(ctx: Context) -> None:
@@ -219,9 +230,10 @@ def grade_pp(ctx: Context) -> None:
         ctx.measurements["pp_state_share"] = share
         fixed = fixed and share <= profile.pipeline_memory["max_state_share"]
         feature += f"; {line}"
+    moments_ok, moments_line = _moments_checked(ctx, one_rank.digests, run.digests, "pp_moments")
     speedup, timing = _step_numbers(ctx, run, one_rank, "pp")
-    _award(ctx, part, error <= profile.train_rtol, fixed, profile.speed_share("pp_step", speedup),
-           _checked(run, error, profile.train_rtol), feature, timing,
+    _award(ctx, part, error <= profile.train_rtol and moments_ok, fixed, profile.speed_share("pp_step", speedup),
+           f"{_checked(run, error, profile.train_rtol)}; {moments_line}", feature, timing,
            "the traffic between the ranks or the memory each holds is not a pipeline's (activations between "
            "stages, each stage's weights on its own ranks)")
 

@@ -151,6 +151,15 @@ def _skips_a_parameter(kit: Path, dest: Path) -> Path:
     return folder(dest, "step-skips-a-parameter", patch)
 
 
+def _layout_skips_a_parameter(part: str):
+    """The reference fix of one layout's part alone, with the step that leaves `dt_bias` untrained."""
+    def build(kit: Path, dest: Path) -> Path:
+        patch = (kit / "solutions" / "a1" / "parts" / f"{part}.patch").read_text()
+        return folder(dest, f"{part}-step-skips-a-parameter", patch + append_to(kit, STEP_FILE, SKIPS_A_PARAMETER))
+
+    return build
+
+
 def _replays_sessions(kit: Path, dest: Path) -> Path:
     return folder(dest, "replays-one-session-in-another", append_to(kit, STEP_FILE, REPLAYS_SESSIONS))
 
@@ -166,6 +175,11 @@ CASES: list[Case] = [
     # the step's gradients are read from the optimizer's state, parameter by parameter: a parameter
     # the step leaves untrained zeroes Part 1 even where the loss cannot show it
     Case("step-skips-a-parameter", _skips_a_parameter, "zero", r"^wrong", part="moe", runs=True),
+    # ... and in the multi-rank layouts, whose sharded, split and staged moments are read whole
+    Case("ep-step-skips-a-parameter", _layout_skips_a_parameter("2-ep"), "zero", r"^wrong.*first moments",
+         part="ep", runs=True),
+    Case("pp-step-skips-a-parameter", _layout_skips_a_parameter("3-pp"), "zero", r"^wrong.*first moments",
+         part="pp", runs=True),
     # a child runs on the CPUs its profile grants (threads per rank), whatever it asks for
     Case("runs-wider-than-granted", _on_the_moe_fix("runs-wider-than-granted", WIDER_THAN_GRANTED), "zero",
          r"not faster", part="moe", runs=True),
