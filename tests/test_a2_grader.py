@@ -369,6 +369,22 @@ def test_cohort_is_graded_against_the_baseline(tmp_path):
     assert len((out / "cohort.csv").read_text().splitlines()) == 3
 
 
+def test_verify_only_checks_a_run_without_evaluating_it(submission, tmp_path):
+    """What a group runs on a short run of its recipe before the long one: every verification
+    check, no evaluation, no baseline."""
+    from grader.cli import main
+
+    out = tmp_path / "out"
+    assert main(["a2", str(submission), "--profile", "cpu-tiny", "--out", str(out), "--verify-only",
+                 "--no-notebook", "--seed", "0"]) == 0
+    results = json.loads(next(out.glob("*/results.json")).read_text())
+    assert results["extra_data"]["numbers"]["verified"] is True
+    budget, *others = sorted(results["tests"], key=lambda t: t["tags"] != ["budget"])
+    assert budget["score"] == budget["max_score"] > 0 and "replay: ok" in budget["output"]
+    assert others and all(t["score"] == 0 and "--verify-only" in t["output"] for t in others)
+    assert not list(out.rglob("eval-report.json"))  # an evaluation leaves its report beside the results
+
+
 def test_cli_gives_an_unreadable_submission_its_zero_and_reason(tmp_path, capsys):
     from grader.cli import main
 

@@ -41,10 +41,15 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", default=None, help="baseline checkpoint folder (default: the profile's)")
     parser.add_argument("--seed", type=int, default=None,
                         help="grading seed: the spans of each run replayed (default: random, recorded in results)")
+    parser.add_argument("--verify-only", action="store_true",
+                        help="the run's verification alone, no evaluation and no baseline: check a short run of "
+                             "your recipe before the long one")
 
 
 def job_from_args(rubric: A2Rubric, profile: str, workdir: Path, args: argparse.Namespace) -> A2Job:
-    return new_job(rubric, profile, workdir, args.baseline, args.seed, notebooks=not args.no_notebook)
+    job = new_job(rubric, profile, workdir, args.baseline, args.seed, notebooks=not args.no_notebook)
+    job.evaluate = not args.verify_only
+    return job
 
 
 HANDOUT = Handout(

@@ -29,6 +29,7 @@ class A2Job(Job):
     profile: A2Profile
     baseline_checkpoint: Path | None = None  # default: the profile's
     notebooks: bool = True  # False: no report.ipynb grading (a node without nbgrader; notebooks graded elsewhere)
+    evaluate: bool = True  # False: verification alone (`--verify-only`), no evaluation and no baseline
     eval_texts: list[str] | None = None  # the suite's text, read on first use (`evaluation_text`)
     _suite: Path | None = None
     _baseline: dict | None = None

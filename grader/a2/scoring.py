@@ -131,7 +131,8 @@ def grade(job: A2Job, path: Path, work: Path, logs: Path) -> Graded:
     submission's code runs, so it needs no scratch folder (`work`)."""
     sub = load_submission(path)
     checks, cost = verify(job, sub, logs)
-    report, error = evaluate_sandboxed(sub.checkpoint, job.profile, job.suite_dir, logs, "submission")
+    report, error = evaluate_sandboxed(sub.checkpoint, job.profile, job.suite_dir, logs, "submission") \
+        if job.evaluate else (None, "--verify-only: the run's verification alone")
     graded = score(job, checks, report, error)
     replay = {key: cost.pop(key) for key in ("spans", "loss_relative_errors") if key in cost}  # lists, not columns
     graded.measurements.update(cost)
