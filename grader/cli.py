@@ -3,6 +3,7 @@
     onenode-grade a1 SUBMISSION --profile cpu-tiny --out DIR   # one folder or archive
     onenode-grade a1 --cohort DIR --profile h100x8 --out DIR   # every submission in DIR, resumable
     onenode-grade a2 --cohort DIR --profile cpu-tiny --out DIR # A2 run folders, against the baseline
+    onenode-grade a2 RUN --profile h200x1 --out DIR --verify-only   # an A2 run's verification alone
     onenode-grade demo [NAME] --out DIR                        # an example cohort (the first: A1's) on CPU
     onenode-grade release a1 --out DIR --course COURSE         # the student repository + nbgrader course
     onenode-grade export --course COURSE --results DIR --csv FILE   # grade sheet: parts + notebook
