@@ -250,11 +250,14 @@ def test_the_ranks_moments_merge_into_one_reading_and_a_lost_expert_fails(monkey
     pipeline stage): merged, they read as one rank would; an expert no rank holds fails."""
     harness = _harness()
     layer = Stacked(_starter_state())
-    first = {"params": {"b": 2.0}, "experts": {"m.": [[1.0, 2.0], [None, None]]}}
-    second = {"params": {"a": 1.0, "b": 2.0}, "experts": {"m.": [[None, None], [3.0, 4.0]]}}
+    whole, part = (lambda v: [v, False]), (lambda v: [v, True])  # held whole / a shard's part
+    first = {"params": {"b": whole(2.0), "c": part(0.5)}, "experts": {"m.": [[whole(1.0), part(1.5)], [None, None]]}}
+    second = {"params": {"a": whole(1.0), "b": whole(2.0), "c": part(0.25)},
+              "experts": {"m.": [[None, part(0.5)], [whole(3.0), whole(4.0)]]}}
     moments = harness.OptimizerMoments(layer, {}, type("Config", (), {"n_routed_experts": 2})(), world=2)
     monkeypatch.setattr(harness, "gathered", lambda reading: [first, second])
-    assert moments._merged(first) == {"params": {"a": 1.0, "b": 2.0}, "experts": {"m.": [[1.0, 2.0], [3.0, 4.0]]}}
+    assert moments._merged(first) == {"params": {"a": 1.0, "b": 2.0, "c": 0.75},
+                                      "experts": {"m.": [[1.0, 2.0], [3.0, 4.0]]}}
     second["experts"]["m."][1][1] = None
     with pytest.raises(RuntimeError, match=r"m\.: expert 1's down_proj was not found .* on some rank"):
         moments._merged(first)

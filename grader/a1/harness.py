@@ -235,10 +235,11 @@ class OptimizerMoments:
     `ExpertSlots` finds it. The training path itself fills that state; the grader asks nothing of it.
     A parameter the optimizer did not step reads as zero.
 
-    Over several ranks the reading is the same whatever the layout: a sharded moment is read whole
-    (every rank of its mesh reads the same parameters in the same order), a pipeline stage gives
-    the parameters it holds (their names are the whole model's), an expert is read where a rank
-    holds it, and the ranks' readings are merged, so a layout reads as one rank would."""
+    Over several ranks the reading is the same whatever the layout: a sharded moment is read
+    shard by shard (each rank's part, summed over the ranks), a pipeline stage gives the
+    parameters it holds (their names are the whole model's), an expert is read where a rank holds
+    it, and the ranks' readings are merged in one gather per step, so a layout reads as one rank
+    would."""
 
     WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
@@ -270,51 +271,76 @@ class OptimizerMoments:
         return name
 
     @staticmethod
-    def _moment(optimizer, param, row=None):
-        """The first moment (whole), or None where the optimizer keeps none; a sharded
-        parameter without one reads as zeros, so that every rank of its mesh takes part."""
+    def _moment(optimizer, param, row, whole: dict):
+        """(the first moment, or the shard of it this rank holds; None where the rank holds it
+        whole, else the share of the shard's squared norm that is this rank's: 1 / its replicas),
+        or None where the optimizer keeps none. A sharded parameter without one reads as zeros;
+        one expert's row of a stacked sharded parameter is read whole, once per step (`whole`),
+        a collective every rank of its mesh takes part in."""
+        import math
+
         import torch
         from torch.distributed.tensor import DTensor
 
         moment = optimizer.state.get(param, {}).get("exp_avg")
-        if moment is None and isinstance(param, DTensor):
-            moment = torch.zeros_like(param)
+        if not isinstance(param, DTensor):
+            return None if moment is None else (moment if row is None else moment[row], None)
         if moment is None:
-            return None
-        moment = _whole(moment)
-        return moment if row is None else moment[row]
+            moment = torch.zeros_like(param)
+        if row is not None:
+            if id(param) not in whole:
+                whole[id(param)] = moment.full_tensor()
+            return whole[id(param)][row], None
+        replicas = math.prod(moment.device_mesh.size(dim) for dim, placement in enumerate(moment.placements)
+                             if placement.is_replicate())
+        return moment.to_local(), 1.0 / replicas
 
     def digest(self, optimizer) -> dict:
+        """{"params": {name: squared norm}, "experts": {prefix: [[up, down] per expert]}}; over
+        several ranks each entry is first [squared norm, whether it is a shard's part], merged."""
         import torch
 
-        named = [(name, self._moment(optimizer, p)) for name, p in self.params.items()]
-        experts = [(prefix, [None if slot is None else self._moment(optimizer, slot[0], slot[1])
+        whole: dict = {}
+        named = [(name, self._moment(optimizer, p, None, whole)) for name, p in self.params.items()]
+        experts = [(prefix, [None if slot is None else self._moment(optimizer, slot[0], slot[1], whole)
                              for column in slots.slots.values() for slot in column], slots)
                    for prefix, slots in self.experts.items()]
-        tensors = [t for _, t in named if t is not None] + [t for _, ts, _ in experts for t in ts if t is not None]
-        norms = iter(torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).double().square().tolist()
-                     if tensors else [])
-        params = {name: 0.0 if t is None else next(norms) for name, t in named}
+        read = [m for _, m in named if m is not None] + [m for _, ms, _ in experts for m in ms if m is not None]
+        norms = iter(torch.stack(torch._foreach_norm([t for t, _ in read], 2, dtype=torch.float32)).double().square()
+                     .tolist() if read else [])
+
+        def entry(moment):
+            value, share = (0.0, None) if moment is None else (next(norms), moment[1])
+            return value * (share or 1.0) if self.world == 1 else [value * (share or 1.0), share is not None]
+
+        params = {name: entry(m) for name, m in named}
         per_expert = {}
         for prefix, moments, slots in experts:
             held = [slot is not None for column in slots.slots.values() for slot in column]
-            flat = [None if not here else 0.0 if t is None else next(norms) for t, here in zip(moments, held)]
+            flat = [entry(m) if here else None for m, here in zip(moments, held)]
             half = len(flat) // 2  # up then down, expert by expert
             per_expert[prefix] = [[up, down] for up, down in zip(flat[:half], flat[half:])]
         reading = {"params": params, "experts": per_expert}
         return reading if self.world == 1 else self._merged(reading)
 
     def _merged(self, reading: dict) -> dict:
-        """Every rank's reading as one: a parameter from the first rank that holds it, each
-        expert's projection from the first rank that holds it (none: the layout lost it)."""
+        """Every rank's reading as one: a shard's parts summed over the ranks, anything held whole
+        from the first rank that holds it, each expert's projection where a rank holds it (none:
+        the layout lost it)."""
+        def add(ours, theirs):
+            if theirs is None:
+                return ours
+            value, part = theirs
+            return (ours or 0.0) + value if part else value if ours is None else ours
+
         params, experts = {}, {}
         for theirs in gathered(reading):
             for name, value in theirs["params"].items():
-                params.setdefault(name, value)
+                params[name] = add(params.get(name), value)
             for prefix, pairs in theirs["experts"].items():
                 ours = experts.setdefault(prefix, [[None, None] for _ in pairs])
                 for j, pair in enumerate(pairs):
-                    ours[j] = [a if a is not None else b for a, b in zip(ours[j], pair)]
+                    ours[j] = [add(a, b) for a, b in zip(ours[j], pair)]
         for prefix, pairs in experts.items():
             for j, pair in enumerate(pairs):
                 for value, name in zip(pair, ExpertSlots.LAYOUT.values()):
