@@ -6,6 +6,7 @@ the red-team cases (tests/redteam/a1_sessions.py) run the same rules through the
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import textwrap
@@ -258,6 +259,8 @@ def test_the_ranks_moments_merge_into_one_reading_and_a_lost_expert_fails(monkey
     monkeypatch.setattr(harness, "gathered", lambda reading: [first, second])
     assert moments._merged(first) == {"params": {"a": 1.0, "b": 2.0, "c": 0.75},
                                       "experts": {"m.": [[1.0, 2.0], [3.0, 4.0]]}}
+    second["params"]["b"] = whole(2.5)  # a replica another rank trained otherwise
+    assert math.isnan(moments._merged(first)["params"]["b"])
     second["experts"]["m."][1][1] = None
     with pytest.raises(RuntimeError, match=r"m\.: expert 1's down_proj was not found .* on some rank"):
         moments._merged(first)

@@ -325,13 +325,18 @@ class OptimizerMoments:
 
     def _merged(self, reading: dict) -> dict:
         """Every rank's reading as one: a shard's parts summed over the ranks, anything held whole
-        from the first rank that holds it, each expert's projection where a rank holds it (none:
-        the layout lost it)."""
+        from the ranks that hold it, which must agree (replicas that do not read as NaN, so
+        infinitely wrong: one rank cannot train for the others), each expert's projection where
+        a rank holds it (none: the layout lost it)."""
+        import math
+
         def add(ours, theirs):
             if theirs is None:
                 return ours
             value, part = theirs
-            return (ours or 0.0) + value if part else value if ours is None else ours
+            if part:
+                return (ours or 0.0) + value
+            return value if ours is None or math.isclose(ours, value, rel_tol=1e-6) else math.nan
 
         params, experts = {}, {}
         for theirs in gathered(reading):
