@@ -5,6 +5,7 @@ profiles' `replay_tolerance` and `loss_tolerance` in a2_pretrain/rubric.toml are
 
     python benchmarks/a2_verification.py OUT honest        # honest runs, default and deterministic kernels
     python benchmarks/a2_verification.py OUT forgeries     # every forgery class, deterministic kernels
+    python benchmarks/a2_verification.py OUT graded        # honest and forged runs graded end to end
     python benchmarks/a2_verification.py OUT honest --cpu  # the tiny scale on a CPU (checks the path)
 
 `honest`: the baseline recipe at one-GPU scale (below), 16 steps, verified with checkpoints every
@@ -13,6 +14,10 @@ profiles' `replay_tolerance` and `loss_tolerance` in a2_pretrain/rubric.toml are
 `deterministic-compiled-every-4`); then the deterministic mode's cost: the baseline recipe's own
 model (25 layers, 64 experts), 12 steps of 8 x 4096 tokens each way, tokens per second from the
 run's manifest.
+`graded`: the honest deterministic run and every forgery class graded end to end in one cohort
+(`grade_cohort`, as `onenode-grade a2 --cohort` does) on the profile as it is: its own replay
+fraction and tolerances, the offline suite, the honest run as the baseline; OUT/graded/ holds each
+result.
 `forgeries`: each forgery built from deterministic runs (the honest, a 4x-longer and a 4x-wider
 one) and verified; it is caught when every check its class names fails as it says.
 
@@ -183,10 +188,48 @@ def measure_forgeries(record: dict, scale: Scale, job, work: Path, save, only: l
         save()
 
 
+def measure_graded(record: dict, scale: Scale, profile_name: str, work: Path, out: Path, save,
+                   only: list[str] | None) -> None:
+    """End to end, as `onenode-grade a2 --cohort` grades: the honest deterministic run and each
+    forgery class (or those of --only) in one cohort, on the profile as it is (its own replay
+    fraction and tolerances), evaluated on the offline suite (a GPU machine without lm-eval's
+    datasets cached) against the honest run itself as the baseline. Each result goes to
+    OUT/graded/<name>.json."""
+    from grader.a2 import A2
+    from grader.a2.job import new_job
+    from grader.a2.rubric import load_rubric
+    from grader.cohort import grade_cohort
+
+    runs = Runs(deterministic(scale))
+    classes = [f for f in forgeries(runs.scale) if not only or f.name in only]
+    cohort = work / "cohort"
+    cohort.mkdir(parents=True)
+    assemble(runs.honest, cohort / "honest")
+    for forgery in classes:
+        os.replace(forgery.build(runs, work / "builds" / forgery.name), cohort / forgery.name)
+        shutil.rmtree(work / "builds" / forgery.name)
+    job = new_job(load_rubric(), profile_name, work / "job", baseline=str(runs.honest / "final"), notebooks=False)
+    job.profile = dataclasses.replace(job.profile, suite="offline", hf_home=None)
+    (work / "job").mkdir()
+    start = time.monotonic()
+    results = grade_cohort(A2, cohort, job, work / "out", progress=False)
+    (out / "graded").mkdir(exist_ok=True)
+    for result in results:
+        name = result["extra_data"]["submission"]
+        shutil.copy2(work / "out" / name / "results.json", out / "graded" / f"{name}.json")
+        numbers = result["extra_data"].get("numbers", {})
+        record["graded"][name] = {
+            "score": result["score"], "verified": numbers.get("verified"),
+            "replay_fraction": numbers.get("replay_fraction"), "grading_seed": result["extra_data"].get("seed"),
+            "failed_checks": [c["name"] for c in result["extra_data"].get("audit", []) if not c.get("ok")]}
+    record["graded_seconds"] = round(time.monotonic() - start, 1)
+    save()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="the record's folder (benchmarks/results/<date>-h200-a2-verification)")
-    parser.add_argument("part", choices=("honest", "forgeries"))
+    parser.add_argument("part", choices=("honest", "forgeries", "graded"))
     parser.add_argument("--cpu", action="store_true", help="the tiny scale on a CPU, profile cpu-tiny")
     parser.add_argument("--only", nargs="+", metavar="CASE",
                         help="these cases only: honest runs (deterministic-seed-1-every-4, "
@@ -207,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
               "commit": os.environ.get("ONENODE_COMMIT") or git_commit() or "unknown", **environment(1),
               "profile": {key: getattr(job.profile, key) for key in ("name", "replay_tolerance", "loss_tolerance")},
               "scale": {**dataclasses.asdict(scale), "recipe": str(scale.recipe.relative_to(KIT_ROOT))},
-              "honest": {}, "forgeries": {}, "cost": {}}
+              "honest": {}, "forgeries": {}, "cost": {}, "graded": {}}
 
     def save() -> None:
         (out / "record.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
@@ -216,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.part == "honest":
             measure_honest(record, scale, job, work, save, args.cpu, args.only)
+        elif args.part == "graded":
+            measure_graded(record, scale, profile, work, out, save, args.only)
         else:
             measure_forgeries(record, scale, job, work, save, args.only)
     finally:
@@ -226,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                      for s in entry.get("spans") or []]
             print(f"{part:<10} {name:<26} verified {entry.get('verified')!s:<5} caught {entry.get('caught', '-')!s:<5} "
                   f"spans {' '.join(spans)} {entry.get('error', '')}")
+    for name, entry in record["graded"].items():
+        print(f"graded     {name:<26} score {entry['score']} verified {entry['verified']} "
+              f"failed {', '.join(entry['failed_checks']) or '-'}")
     for mode, entry in record["cost"].items():
         speed = entry.get("throughput", {}).get("tokens_per_s", 0)
         print(f"cost {mode:<14} {speed:,.0f} tokens/s {entry.get('error', '')}")

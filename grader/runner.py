@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .meters import nvlink_tx_bytes, resident_bytes
@@ -328,7 +328,22 @@ def run_sessions(harness: Harness, tree: Path, profile: Profile, sessions: list[
     except SandboxError as e:
         for s in sessions:
             results.setdefault(s.name, SessionResult(error=f"sandbox: {e}"))
+    keep_evidence(results, logs)
     return results
+
+
+EVIDENCE = "evidence.json"
+
+
+def keep_evidence(results: dict[str, SessionResult], logs: Path) -> None:
+    """Every session's evidence as the grader received and measured it, in `logs`/evidence.json
+    (beside what an earlier call kept there): what a disputed grade is re-examined from, and what
+    a tolerance is set from, without running anything again."""
+    path = logs / EVIDENCE
+    kept = json.loads(path.read_text()) if path.is_file() else {}
+    kept.update({name: {k: v for k, v in asdict(r).items() if k != "log_tail"}
+                 for name, r in results.items()})
+    path.write_text(json.dumps(kept))
 
 
 def _with_reason(result: SessionResult, log: str, reason: str) -> SessionResult:

@@ -6,6 +6,7 @@ the red-team cases (tests/redteam/a1_sessions.py) run the same rules through the
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -111,6 +112,8 @@ def test_no_session_sees_what_another_left(tmp_path):
     first, second = (runs[name].digests for name in ("first", "second"))
     assert first[1]["found"] and first[1]["remembered"] == [1]  # within a session, state persists...
     assert second[0]["found"] == [] and second[0]["remembered"] == []  # ...never into the next
+    kept = json.loads((tmp_path / "logs" / runner.EVIDENCE).read_text())  # the logs keep what came back
+    assert set(kept) == {"first", "second"} and kept["first"]["digests"] == first and kept["second"]["error"] is None
 
 
 @SANDBOXED
