@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -209,7 +210,14 @@ def measure_graded(record: dict, scale: Scale, profile_name: str, work: Path, ou
         os.replace(forgery.build(runs, work / "builds" / forgery.name), cohort / forgery.name)
         shutil.rmtree(work / "builds" / forgery.name)
     job = new_job(load_rubric(), profile_name, work / "job", baseline=str(runs.honest / "final"), notebooks=False)
-    job.profile = dataclasses.replace(job.profile, suite="offline", hf_home=None)
+    # a short run: at least the share of its steps that its first and last spans take is replayed
+    fraction = max(job.profile.replay_fraction, 2 * scale.every / scale.steps)
+    job.profile = dataclasses.replace(job.profile, suite="offline", hf_home=None, replay_fraction=fraction)
+    # without lm-eval (a GPU image may lack it) the cohort is graded as `--verify-only` does
+    # and with the contamination check's text of make_job's (lm-eval reads the suite's)
+    job.evaluate = record["evaluated"] = importlib.util.find_spec("lm_eval") is not None
+    if not job.evaluate:
+        job.eval_texts = EVALUATION_TEXT
     (work / "job").mkdir()
     start = time.monotonic()
     results = grade_cohort(A2, cohort, job, work / "out", progress=False)
@@ -221,7 +229,8 @@ def measure_graded(record: dict, scale: Scale, profile_name: str, work: Path, ou
         record["graded"][name] = {
             "score": result["score"], "verified": numbers.get("verified"),
             "replay_fraction": numbers.get("replay_fraction"), "grading_seed": result["extra_data"].get("seed"),
-            "failed_checks": [c["name"] for c in result["extra_data"].get("audit", []) if not c.get("ok")]}
+            "failed_checks": [c["name"] for c in result["extra_data"].get("audit", []) if not c.get("ok")],
+            "feedback": result.get("output", "")[:2000]}
     record["graded_seconds"] = round(time.monotonic() - start, 1)
     save()
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gzip
+import json
 import math
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +21,7 @@ from grader.a1.compare import loss_error, moe_error, moments_error, relative_err
 from grader.a1.rubric import load_rubric, speed_share
 from grader.runner import SessionResult
 
+KIT = Path(__file__).resolve().parents[1]
 RTOL = 1e-4
 
 
@@ -222,6 +226,59 @@ def test_the_worst_moments_name_where_the_error_comes_from():
     assert worst_moments(steps(), [None] * 3) == []
 
 
+# -- the moments read by layer (bfloat16 profiles) -----------------------------------------------------
+def test_read_by_layer_a_parameter_at_the_noise_is_summed_into_its_layer():
+    """bfloat16: a dt_bias whose moment reads 3x on another run (its gradient at the noise) is
+    wrong entry by entry, and by its layer's sum only by its share of it."""
+    ref = steps()
+    for step in ref:
+        step["moments"]["params"]["backbone.layers.0.mixer.in_proj.weight"] = 1.0
+    sub = copy.deepcopy(ref)
+    sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] *= 3.0
+    assert moments_error(ref, sub) == pytest.approx(1.0)
+    assert moments_error(ref, sub, "layers") == pytest.approx(0.002 / (2 * 1.001))
+    sub[1]["moments"]["params"]["backbone.layers.0.mixer.in_proj.weight"] = 1.5  # the layer's weight: wrong
+    assert moments_error(ref, sub, "layers") > 0.2
+
+
+def test_read_by_layer_a_parameter_stepped_on_one_side_only_is_infinitely_wrong():
+    sub = steps()
+    sub[0]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] = 0.0  # never trained
+    assert moments_error(steps(), sub, "layers") == math.inf
+    worst = worst_moments(steps(), sub, count=1, reading="layers")
+    assert worst[0]["name"] == "backbone.layers.0.mixer.dt_bias" and worst[0]["error"] is None
+
+
+def test_read_by_layer_routed_experts_are_summed_apart_from_the_layers_other_parameters():
+    sub = steps()
+    sub[2]["moments"]["experts"]["backbone.layers.1.mixer."][1] = [1e-9, 0.0]  # a routing flip: no longer inf
+    assert moments_error(steps(), sub, "layers") == pytest.approx(1e-9 / 6)
+    sub = steps()
+    sub[2]["moments"]["experts"]["backbone.layers.1.mixer."][0] = [2.0, 4.0]  # the layer's experts twice over
+    assert moments_error(steps(), sub, "layers") == pytest.approx(0.5)
+    assert worst_moments(steps(), sub, count=1, reading="layers")[0]["name"] == \
+        "backbone.layers.1.routed experts (summed)"
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m["params"].__setitem__("backbone.layers.0.mixer.dt_bias", math.nan),
+    lambda m: m["experts"]["backbone.layers.1.mixer."][0].__setitem__(0, "1.0"),
+    lambda m: m["experts"]["backbone.layers.1.mixer."].pop(),
+    lambda m: m["params"].pop("backbone.embeddings.weight"),
+], ids=["nan", "string", "short-experts", "missing-param"])
+def test_read_by_layer_malformed_moments_are_infinitely_wrong(edit):
+    sub = steps()
+    edit(sub[1]["moments"])
+    assert moments_error(steps(), sub, "layers") == math.inf
+
+
+def test_a_profile_names_a_reading_the_grader_has():
+    profile = load_rubric().profile("h200x1")
+    assert profile.moments_reading == "layers" and profile.moments_rtol is not None
+    with pytest.raises(ValueError, match="moments_reading = 'sums'"):
+        dataclasses.replace(profile, moments_reading="sums")
+
+
 @pytest.mark.parametrize("sub", [None, [], [{"loss": 4.0}] * 3], ids=["none", "empty", "no-moments"])
 def test_steps_without_moments_are_infinitely_wrong(sub):
     assert moments_error(steps(), sub) == math.inf
@@ -404,3 +461,19 @@ def test_the_kits_training_comparison_judges_each_stacked_expert_on_its_own_scal
     wrong[2] *= -1
     with pytest.raises(AssertionError, match="gradient of layers.0.mixer.experts.up_proj"):
         assert_same_training(training(experts), training(wrong), "the rare expert's sign flipped")
+
+
+def test_the_h200_tolerance_sits_between_the_recorded_honest_and_wrong_steps():
+    """The whole steps one H200 trained (benchmarks/results/2026-12-02-h200-a1-step-evidence/), read
+    as h200x1 reads them: the starter and the honest fix within its tolerance, each wrong step
+    beyond it, and the reading per entry separating nothing there."""
+    record = KIT / "benchmarks" / "results" / "2026-12-02-h200-a1-step-evidence" / "reference-steps.json.gz"
+    with gzip.open(record, "rt") as f:
+        runs = json.load(f)
+    profile = load_rubric().profile("h200x1")
+    starter = runs.pop("starter")
+    errors = {name: moments_error(starter, steps, profile.moments_reading) for name, steps in runs.items()}
+    honest = ("starter-unchanged", "reference-full")
+    assert max(errors[name] for name in honest) * 3 < profile.moments_rtol, errors
+    assert min(errors[name] for name in set(errors) - set(honest)) > 2 * profile.moments_rtol, errors
+    assert moments_error(starter, runs["reference-full"], "entries") > 1e6  # entry by entry it would zero the fix

@@ -5,6 +5,7 @@ compared: anything missing, extra, of the wrong type or not finite is infinitely
 from __future__ import annotations
 
 import math
+import re
 
 
 def _number(x) -> float | None:
@@ -97,10 +98,18 @@ def _squared_norm_error(ref, sub) -> float:
     return relative_error(sub, ref, 2 * ref) if _number(ref) is not None else math.inf
 
 
-def _moments_digest_errors(ref: dict, sub) -> list[tuple[float, str, float, float]] | None:
+MOMENTS_READINGS = ("entries", "layers")
+LAYER = re.compile(r"^(.*?\.layers\.\d+\.)")
+
+
+def _moments_digest_errors(ref: dict, sub, reading: str = "entries") -> list[tuple[float, str, float, float]] | None:
     """One step's optimizer moments (harness `OptimizerMoments`) entry by entry: (error, what,
-    the starter's, the submission's) for every parameter by the starter's name and every routed
-    expert's up and down projection, each on its own scale; None when malformed."""
+    the starter's, the submission's); None when malformed. `entries`: every parameter by the
+    starter's name and every routed expert's up and down projection, each on its own scale.
+    `layers` (bfloat16 profiles, where a parameter whose gradient sits at bfloat16's noise, a Mamba
+    layer's dt_bias, or a rarely routed expert, reads differently on every run): each layer's
+    parameters summed, and its routed experts summed, on their own scale; and a parameter stepped
+    on one side only (its moment exactly zero on the other) is infinitely wrong."""
     if not isinstance(sub, dict) or set(sub) != {"params", "experts"}:
         return None
     params, experts = sub["params"], sub["experts"]
@@ -108,8 +117,7 @@ def _moments_digest_errors(ref: dict, sub) -> list[tuple[float, str, float, floa
         return None
     if not isinstance(experts, dict) or set(experts) != set(ref["experts"]):
         return None
-    errors = [(_squared_norm_error(value, params[name]), name, value, params[name])
-              for name, value in ref["params"].items()]
+    entries = [(name, value, params[name], False) for name, value in ref["params"].items()]
     for prefix, ours in ref["experts"].items():
         theirs = experts[prefix]
         if not _same_length(ours, theirs):
@@ -117,19 +125,38 @@ def _moments_digest_errors(ref: dict, sub) -> list[tuple[float, str, float, floa
         for j, (pair, other) in enumerate(zip(ours, theirs)):
             if not _same_length(pair, other):
                 return None
-            errors += [(_squared_norm_error(a, b), f"{prefix}experts.{j}.{projection}", a, b)
-                       for projection, a, b in zip(("up_proj", "down_proj"), pair, other)]
-    return errors
+            entries += [(f"{prefix}experts.{j}.{projection}", a, b, True)
+                        for projection, a, b in zip(("up_proj", "down_proj"), pair, other)]
+    if reading == "entries":
+        return [(_squared_norm_error(a, b), name, a, b) for name, a, b, _ in entries]
+    if any(_number(b) is None for _, _, b, _ in entries):
+        return None
+    errors = [(math.inf, name, a, b) for name, a, b, routed in entries if not routed and (a == 0) != (b == 0)]
+    sums: dict[str, list[float]] = {}
+    for name, a, b, routed in entries:
+        totals = sums.setdefault(_layer_group(name, routed), [0.0, 0.0])
+        totals[0] += a
+        totals[1] += b
+    return errors + [(_squared_norm_error(a, b), group, a, b) for group, (a, b) in sums.items()]
 
 
-def _moments_digest_error(ref: dict, sub) -> float:
-    errors = _moments_digest_errors(ref, sub)
+def _layer_group(name: str, routed: bool) -> str:
+    """What an entry is summed in under the `layers` reading: its layer's routed experts, or its
+    layer's other parameters; outside the layers (embeddings, head, final norm), itself."""
+    match = LAYER.match(name)
+    if match is None:
+        return name
+    return match.group(1) + ("routed experts (summed)" if routed else "* (summed)")
+
+
+def _moments_digest_error(ref: dict, sub, reading: str = "entries") -> float:
+    errors = _moments_digest_errors(ref, sub, reading)
     return math.inf if errors is None else max((e for e, *_ in errors), default=0.0)
 
 
-def moments_error(ref: list[dict], sub: list[dict]) -> float:
-    """Worst relative error of the optimizer's first moments after each step, parameter by
-    parameter and expert by expert: the gradients the step applied, which a loss and a global
+def moments_error(ref: list[dict], sub: list[dict], reading: str = "entries") -> float:
+    """Worst relative error of the optimizer's first moments after each step, read as `reading`
+    says (`_moments_digest_errors`): the gradients the step applied, which a loss and a global
     gradient norm only sum up. A step missing or extra, or moments missing, is infinitely wrong."""
     if not _same_length(ref, sub) or not ref:
         return math.inf
@@ -137,16 +164,16 @@ def moments_error(ref: list[dict], sub: list[dict]) -> float:
     for r, s in zip(ref, sub):
         if not isinstance(s, dict) or not isinstance(r.get("moments"), dict):
             return math.inf
-        errors.append(_moments_digest_error(r["moments"], s.get("moments")))
+        errors.append(_moments_digest_error(r["moments"], s.get("moments"), reading))
     return max(errors)
 
 
-def worst_moments(ref: list[dict], sub: list[dict], count: int = 5) -> list[dict]:
+def worst_moments(ref: list[dict], sub: list[dict], count: int = 5, reading: str = "entries") -> list[dict]:
     """The `count` entries of the moments farthest from the starter's over every step (the
     feedback's record of where `moments_error` comes from); nothing when they are malformed."""
     entries = []
     for step, (r, s) in enumerate(zip(ref, sub)):
-        errors = _moments_digest_errors(r.get("moments") or {}, s.get("moments")) \
+        errors = _moments_digest_errors(r.get("moments") or {}, s.get("moments"), reading) \
             if isinstance(s, dict) and isinstance(r.get("moments"), dict) else None
         entries += [{"step": step, "name": name, "starter": a, "yours": b, "error": e if math.isfinite(e) else None}
                     for e, name, a, b in errors or []]

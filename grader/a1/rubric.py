@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..report import test_entry
 from ..rubric import KIT_ROOT, Profile, Rubric, read_toml
+from .compare import MOMENTS_READINGS
 
 RUBRIC_PATH = KIT_ROOT / "a1_infra" / "rubric.toml"
 
@@ -69,8 +70,14 @@ class A1Profile(Profile):
     # the tolerance of the optimizer's first moments after each step of the one-rank layout (each
     # parameter's and each routed expert's squared norm) against the starter's; None: recorded only
     moments_rtol: float | None = None
+    # how they are read (`compare.MOMENTS_READINGS`): "entries", each on its own scale (float32), or
+    # "layers", each layer's summed and a parameter stepped on one side only wrong (bfloat16)
+    moments_reading: str = "entries"
 
     def __post_init__(self):
+        if self.moments_reading not in MOMENTS_READINGS:
+            raise ValueError(f"profile {self.name}: moments_reading = {self.moments_reading!r}: choose one of "
+                             f"{', '.join(MOMENTS_READINGS)}")
         for measurement, bounds in self.speed.items():
             if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2 and 0 < bounds[0] < bounds[1]):
                 raise ValueError(f"profile {self.name}: speed.{measurement} = {bounds!r}: give [low, high] "

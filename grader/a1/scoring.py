@@ -158,13 +158,14 @@ def _moments_checked(ctx: Context, ref: list[dict], digests: list[dict], key: st
     whether they pass the profile's `moments_rtol` (always, where it has none: recorded only), and
     the feedback's words. Records `<key>_error` and the worst entries, `<key>_worst`."""
     profile = ctx.job.profile
-    moments = moments_error(ref, digests)
+    moments = moments_error(ref, digests, profile.moments_reading)
     ctx.measurements[f"{key}_error"] = moments if math.isfinite(moments) else None
-    ctx.records[f"{key}_worst"] = worst_moments(ref, digests)
+    ctx.records[f"{key}_worst"] = worst_moments(ref, digests, reading=profile.moments_reading)
     bound = (f"tolerance {profile.moments_rtol:g}" if profile.moments_rtol is not None
              else "recorded, not scored on this profile until its honest spread is measured")
-    line = (f"the optimizer's first moments after each step, parameter by parameter and expert by expert: worst "
-            f"relative error {moments:.2g} ({bound})")
+    how = ("parameter by parameter and expert by expert" if profile.moments_reading == "entries" else
+           "each layer's summed, every parameter stepped")
+    line = f"the optimizer's first moments after each step, {how}: worst relative error {moments:.2g} ({bound})"
     if (names := moments_names_problem(ref, digests)) is not None:
         line += f": {names}"
     return profile.moments_rtol is None or moments <= profile.moments_rtol, line
