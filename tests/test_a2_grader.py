@@ -369,6 +369,22 @@ def test_cohort_is_graded_against_the_baseline(tmp_path):
     assert len((out / "cohort.csv").read_text().splitlines()) == 3
 
 
+def test_grading_without_lm_eval_stops_before_any_run_with_what_to_install(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from grader.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "lm_eval" else find_spec(name, *a))
+    for extra in ([], ["--verify-only"]):
+        assert main(["a2", str(tmp_path / "never-read"), "--profile", "cpu-tiny", "--out", str(tmp_path / "out"),
+                     *extra]) == 1
+        error = capsys.readouterr().err
+        assert "needs lm-eval" in error and "pip install -e '.[eval]'" in error and len(error.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
 def test_verify_only_checks_a_run_without_evaluating_it(submission, tmp_path):
     """What a group runs on a short run of its recipe before the long one: every verification
     check, no evaluation, no baseline."""

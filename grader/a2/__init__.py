@@ -25,10 +25,12 @@ makes its rows. Students start from the fixed stack: the starter with the refere
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from pathlib import Path
 
 from ..a1 import solution_starter
 from ..assignment import Assignment, Handout
+from ..errors import GraderError
 from . import tables
 from .job import A2Job, new_job, trained_run
 from .rubric import RUBRIC_PATH, A2Rubric, load_rubric
@@ -47,6 +49,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def job_from_args(rubric: A2Rubric, profile: str, workdir: Path, args: argparse.Namespace) -> A2Job:
+    if importlib.util.find_spec("lm_eval") is None:  # before any submission: else each fails on its own
+        raise GraderError("A2 grading needs lm-eval (it evaluates the runs, and reads the suite's text for the "
+                          "contamination check, --verify-only too): pip install -e '.[eval]' (make setup installs it)")
     job = new_job(rubric, profile, workdir, args.baseline, args.seed, notebooks=not args.no_notebook)
     job.evaluate = not args.verify_only
     return job
