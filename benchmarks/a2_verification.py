@@ -230,7 +230,7 @@ def measure_graded(record: dict, scale: Scale, profile_name: str, work: Path, ou
             "score": result["score"], "verified": numbers.get("verified"),
             "replay_fraction": numbers.get("replay_fraction"), "grading_seed": result["extra_data"].get("seed"),
             "failed_checks": [c["name"] for c in result["extra_data"].get("audit", []) if not c.get("ok")],
-            "feedback": result.get("output", "")[:2000]}
+            "feedback": result.get("output") or ""}
     record["graded_seconds"] = round(time.monotonic() - start, 1)
     save()
 
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     job = make_job(profile, work / "job")
     record = {"what": f"A2 verification measured on {profile}, every span replayed: the {args.part} runs",
               "command": " ".join(["python", "benchmarks/a2_verification.py", args.out, args.part,
-                                   *(["--cpu"] if args.cpu else [])]),
+                                   *(["--cpu"] if args.cpu else []), *(["--only", *args.only] if args.only else [])]),
               "commit": os.environ.get("ONENODE_COMMIT") or git_commit() or "unknown", **environment(1),
               "profile": {key: getattr(job.profile, key) for key in ("name", "replay_tolerance", "loss_tolerance")},
               "scale": {**dataclasses.asdict(scale), "recipe": str(scale.recipe.relative_to(KIT_ROOT))},

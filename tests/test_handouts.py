@@ -48,9 +48,9 @@ SCRIPTS_WITH_SUBCOMMANDS = ("solutions/a1/make_patches.py", "benchmarks/step_pro
 BLOCK = re.compile(r"^(?P<indent>[ \t]*)```bash\n(?P<body>.*?)^(?P=indent)```", re.M | re.S)
 OUTPUT = re.compile(r"\s*(?:[^\n`]{0,40}\n)?\s*```text\n(?P<output>.*?)```", re.S)
 MARKER = re.compile(r"<!--\s*(gpu|slow)\s*-->\s*$")
-RECORD_LINK = re.compile(r"\[(?P<text>[^\]]+)\]\((?P<path>[^ )]*(?:results/[^ )]+\.json|rubric\.toml)) "
+RECORD_LINK = re.compile(r"\[(?P<text>[^\]]+)\]\((?P<path>[^ )]*(?:\.json|rubric\.toml)) "
                          r"\"(?P<key>[^\"]+)\"\)")
-NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
+NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
 # A figure in a unit GPU measurements come in: 13.5x, 27.2%, 2,436 tokens/s, 45.6 GiB, 91.6 ms, ...
 GPU_FIGURE = re.compile(r"(?<![\w.,])\d[\d,]*(?:\.\d+)?(?:x(?!\w)|\s?%|\s(?:tokens/s|tok/s|GiB|ms|TFLOP/s|TB/s)(?!\w))")
 SPEC_FIGURES = {"989 TFLOP/s": "the dense bf16 peak of H100 SXM and H200, from NVIDIA's datasheet"}
@@ -254,8 +254,12 @@ def matches(text: str, value: float) -> bool:
     shown = NUMBER.search(text)
     if shown is None:
         return False
-    digits = len(shown.group().partition(".")[2])
     number = float(shown.group().replace(",", ""))
+    mantissa, scientific, _ = shown.group().partition("e")
+    if scientific:  # 1.4e20: to its shown significant digits
+        digits = len(mantissa.lstrip("-+").replace(".", "")) - 1
+        return float(f"{value:.{digits}e}") == number
+    digits = len(mantissa.partition(".")[2])
     return any(round(v, digits) == number for v in (value, 100 * value))
 
 
@@ -263,6 +267,8 @@ def test_figure_matcher():
     assert matches("13.5x", 13.4915) and matches("14,444 tok/s", 14444.19) and matches("3.38%", 0.03379)
     assert matches("-0.31", -0.3135) and matches("+0.02", 0.0152)
     assert not matches("13.6x", 13.4915) and not matches("0.31", -0.3135) and not matches("fast", 1.0)
+    assert matches("1.4e20", 1.354e20) and matches("2.94e-05", 2.9415e-05) and matches("6e-5", 6.2e-5)
+    assert not matches("1.3e20", 1.354e20) and not matches("2.9e-4", 2.9415e-05)
 
 
 def _load(path: Path):
@@ -271,7 +277,7 @@ def _load(path: Path):
     return tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
 
 
-@pytest.mark.parametrize("doc", FIGURE_DOCS)
+@pytest.mark.parametrize("doc", (*FIGURE_DOCS, *RECORD_READMES))
 def test_linked_figures_match_their_records(doc):
     path = KIT / doc
     for m in RECORD_LINK.finditer(path.read_text(encoding="utf-8")):
