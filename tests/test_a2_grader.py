@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from redteam.a2_forgeries import BUDGET, LONG, SMALL, STEPS, TINY, TOKENS_PER_STEP, disguise
+from redteam.a2_forgeries import BUDGET, SMALL, STEPS, TINY, TOKENS_PER_STEP
 from test_eval import load_make_reference
 
 from grader.a2 import A2
@@ -163,14 +163,6 @@ def test_incomplete_submission_is_one_line(submission):
 
 
 # -- forgeries (more in tests/test_a2_verification.py) -------------------------------------------
-def test_run_trained_four_times_its_budget_with_every_file_edited_fails(job, tmp_path):
-    sub = disguise(trained_run(TINY, LONG), tmp_path / "disguised", factor=4)
-    assert not _failed(audit_run(load_a2_submission(sub), token_budget=BUDGET))  # the files tell one story
-    checks, _ = verified(job, sub)
-    assert not checks["replay"].ok and "were not trained by that span" in checks["replay"].detail
-    assert not checks["data order"].ok and "is not the one the submitted data gives" in checks["data order"].detail
-
-
 def test_reinitialised_or_swapped_weights_fail(job, submission, tmp_path):
     untrained = make_reference.make_untrained(submission, tmp_path / "untrained")
     checks, _ = verified(job, untrained)

@@ -316,7 +316,8 @@ def forgeries(scale: Scale) -> list[Forgery]:
         Forgery("rewritten-loader-states", rewritten_loader_states,
                 {"logged losses": rf"loss .* at step {half + 1}; step_{half:08d} has loss .* on the grader's batch of "
                                   "that step"}),
-        Forgery("more-tokens", more_tokens, {"movement": NOT_TRAINED, "replay": NOT_REPLAYED}),
+        Forgery("more-tokens", more_tokens, {"movement": NOT_TRAINED, "replay": NOT_REPLAYED,
+                                             "data order": r"is not the one the submitted data gives"}),
         Forgery("larger-batch", larger_batch,
                 {"replay": NOT_REPLAYED, "logged losses": r"at step \d+; step_\d{8} has loss"}),
     ]
