@@ -241,6 +241,22 @@ def test_read_by_layer_a_parameter_at_the_noise_is_summed_into_its_layer():
     assert moments_error(ref, sub, "layers") > 0.2
 
 
+def test_read_by_layer_a_parameter_that_weighs_in_its_layer_is_read_on_its_own_scale():
+    """Half the gradient of a parameter holding half its layer's moments moves the layer's sum by
+    0.19, under h200x1's 0.2; on its own scale it is 0.375 wrong."""
+    ref = steps()
+    for step in ref:
+        step["moments"]["params"].update({"backbone.layers.0.mixer.in_proj.weight": 1.0,
+                                          "backbone.layers.0.mixer.out_proj.weight": 1.0})
+    sub = copy.deepcopy(ref)
+    sub[1]["moments"]["params"]["backbone.layers.0.mixer.in_proj.weight"] = 0.25
+    assert moments_error(ref, sub, "layers") == pytest.approx(0.375)
+    worst = worst_moments(ref, sub, count=2, reading="layers")
+    assert [w["name"] for w in worst] == ["backbone.layers.0.mixer.in_proj.weight", "backbone.layers.0.* (summed)"]
+    assert worst[1]["error"] == pytest.approx(0.75 / (2 * 2.001))
+    assert worst[1]["error"] < load_rubric().profile("h200x1").moments_rtol < worst[0]["error"]
+
+
 def test_read_by_layer_a_parameter_stepped_on_one_side_only_is_infinitely_wrong():
     sub = steps()
     sub[0]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] = 0.0  # never trained

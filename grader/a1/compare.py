@@ -99,6 +99,9 @@ def _squared_norm_error(ref, sub) -> float:
 
 
 MOMENTS_READINGS = ("entries", "layers")
+# under `layers`, a parameter holding at least this share of its layer's moments is read on its own
+# scale too: its sum alone would let it be wrong by as much as the layer's tolerance over its share
+OWN_SCALE_SHARE = 0.05
 LAYER = re.compile(r"^(.*?\.layers\.\d+\.)")
 
 
@@ -108,8 +111,9 @@ def _moments_digest_errors(ref: dict, sub, reading: str = "entries") -> list[tup
     starter's name and every routed expert's up and down projection, each on its own scale.
     `layers` (bfloat16 profiles, where a parameter whose gradient sits at bfloat16's noise, a Mamba
     layer's dt_bias, or a rarely routed expert, reads differently on every run): each layer's
-    parameters summed, and its routed experts summed, on their own scale; and a parameter stepped
-    on one side only (its moment exactly zero on the other) is infinitely wrong."""
+    parameters summed, and its routed experts summed, on their own scale, with each parameter that
+    holds OWN_SCALE_SHARE of its layer's on its own scale too; and a parameter stepped on one side
+    only (its moment exactly zero on the other) is infinitely wrong."""
     if not isinstance(sub, dict) or set(sub) != {"params", "experts"}:
         return None
     params, experts = sub["params"], sub["experts"]
@@ -137,6 +141,8 @@ def _moments_digest_errors(ref: dict, sub, reading: str = "entries") -> list[tup
         totals = sums.setdefault(_layer_group(name, routed), [0.0, 0.0])
         totals[0] += a
         totals[1] += b
+    errors += [(_squared_norm_error(a, b), name, a, b) for name, a, b, routed in entries  # the layer's weight
+               if not routed and a >= OWN_SCALE_SHARE * sums[_layer_group(name, routed)][0]]
     return errors + [(_squared_norm_error(a, b), group, a, b) for group, (a, b) in sums.items()]
 
 
