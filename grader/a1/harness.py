@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -328,8 +329,6 @@ class OptimizerMoments:
         from the ranks that hold it, which must agree (replicas that do not read as NaN, so
         infinitely wrong: one rank cannot train for the others), each expert's projection where
         a rank holds it (none: the layout lost it)."""
-        import math
-
         def add(ours, theirs):
             if theirs is None:
                 return ours
