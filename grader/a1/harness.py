@@ -278,7 +278,6 @@ class OptimizerMoments:
         or None where the optimizer keeps none. A sharded parameter without one reads as zeros;
         one expert's row of a stacked sharded parameter is read whole, once per step (`whole`),
         a collective every rank of its mesh takes part in."""
-        import math
 
         import torch
         from torch.distributed.tensor import DTensor
