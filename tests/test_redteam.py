@@ -14,6 +14,8 @@ tested in tests/test_sandbox.py.
 import dataclasses
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -27,6 +29,7 @@ from grader.a1 import A1, scoring
 from grader.a1.job import new_job
 from grader.a1.rubric import load_rubric
 from grader.sandbox import make_private
+from grader.submission import load_submission, patched_tree
 
 KIT = Path(__file__).resolve().parents[1]
 PLANTED = ("escaped.py", "planted.py")  # what the archive cases try to write outside their folder
@@ -139,6 +142,30 @@ def test_adversarial_submission(case: Case, planted_cohort, tmp_path, request, m
     assert_nothing_leaked(tmp_path / "out", planted_cohort)
     for name in PLANTED:
         assert not list(tmp_path.rglob(name)) and not list(job.workdir.rglob(name)), name
+
+
+# What a GPU case must leave intact on a CPU: the patched stack imports and trains a step.
+TRAINS_A_STEP = """
+import multiprocessing.connection, torch
+from onenode.model import build_model, get_preset
+from onenode.train.step import train_step
+assert multiprocessing.connection.Connection.send.__module__ == "onenode.train.step", "the attack is not in place"
+model = build_model(get_preset("tiny"))
+ids = torch.randint(0, 512, (1, 16))
+out = train_step(model, torch.optim.AdamW(model.parameters()), ids, ids)
+assert out["loss"] > 0, out
+"""
+
+
+@pytest.mark.parametrize("case", a1_sessions.GPU_CASES, ids=lambda c: c.name)
+def test_gpu_case_applies_and_trains_on_cpu(case: Case, tmp_path):
+    """A case graded only on a GPU (benchmarks/results/) still applies to this kit, and leaves it
+    training on a CPU: a stale patch would otherwise be found on the GPU alone."""
+    submission = load_submission(case.build(KIT, tmp_path / "in"), tmp_path / "work")
+    tree = patched_tree(submission, tmp_path / "tree")
+    run = subprocess.run([sys.executable, "-c", TRAINS_A_STEP], cwd=tree, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(tree / "starter_code"), "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -130,6 +130,54 @@ def train_step(model, optimizer, input_ids, labels, grad_clip=1.0, **options):
 """
 
 
+# The unchanged starter that, each time it answers the grader (a rank's pipe to the harness), first
+# leaves the GPU as much work as its shortest turn took, queued on a stream of its own behind a
+# 20 ms sleep: work that starts once the answer is read. Were the starter timed while this child is
+# frozen (SIGSTOP stops a process, not the kernels it queued), that work would run in the starter's
+# turn and slow it by about its own length: about 2x, layer and step, for the starter's own code.
+# Timed as the grader times it on a GPU, the work lands in its own next turn, or is gone with its
+# process. Inert without CUDA.
+QUEUES_INTO_THE_STARTERS_TURN = """
+import multiprocessing.connection as _connection
+import time as _time
+
+_queue, _honest_recv, _honest_send = {}, _connection.Connection.recv, _connection.Connection.send
+
+
+def _queue_after_the_answer(seconds):
+    if "stream" not in _queue:
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            a @ a
+        end.record()
+        end.synchronize()
+        _queue.update(stream=torch.cuda.Stream(), a=a, matmul_s=start.elapsed_time(end) / 1e4)
+    with torch.cuda.stream(_queue["stream"]):
+        torch.cuda._sleep(40_000_000)  # about 20 ms at the GPU's clock: the answer is read meanwhile
+        for _ in range(int(seconds / _queue["matmul_s"])):
+            _queue["a"] @ _queue["a"]
+
+
+def _recv(self):
+    message = _honest_recv(self)
+    _queue["began"] = _time.perf_counter()
+    return message
+
+
+def _send(self, message):
+    if "began" in _queue and torch.cuda.is_available() and torch.cuda.is_initialized():
+        turn = _time.perf_counter() - _queue.pop("began")
+        _queue["turn"] = min(turn, _queue.get("turn", turn))  # the shortest turn: no pile-up
+        _queue_after_the_answer(_queue["turn"])
+    return _honest_send(self, message)
+
+
+_connection.Connection.recv, _connection.Connection.send = _recv, _send
+"""
+
+
 def _on_the_moe_fix(name: str, code: str):
     def build(kit: Path, dest: Path) -> Path:
         fixed = (kit / "solutions" / "a1" / MOE_FILE.removeprefix("starter_code/")).read_text()
@@ -160,6 +208,10 @@ def _layout_skips_a_parameter(part: str):
     return build
 
 
+def _queues_into_the_starters_turn(kit: Path, dest: Path) -> Path:
+    return folder(dest, "queues-into-the-starters-turn", append_to(kit, STEP_FILE, QUEUES_INTO_THE_STARTERS_TURN))
+
+
 def _replays_sessions(kit: Path, dest: Path) -> Path:
     return folder(dest, "replays-one-session-in-another", append_to(kit, STEP_FILE, REPLAYS_SESSIONS))
 
@@ -183,4 +235,12 @@ CASES: list[Case] = [
     # a child runs on the CPUs its profile grants (threads per rank), whatever it asks for
     Case("runs-wider-than-granted", _on_the_moe_fix("runs-wider-than-granted", WIDER_THAN_GRANTED), "zero",
          r"not faster", part="moe", runs=True),
+]
+
+# Cases whose attack needs a GPU (inert elsewhere): graded on one H200, recorded under
+# benchmarks/results/ (SECURITY.md names the record); on CPU their patches are checked to apply.
+GPU_CASES: list[Case] = [
+    # on a GPU the submission's child has ended, its GPU contexts gone, before the starter is timed
+    Case("queues-into-the-starters-turn", _queues_into_the_starters_turn, "zero", r"not faster", part="moe",
+         runs=True),
 ]
