@@ -493,3 +493,29 @@ def test_the_h200_tolerance_sits_between_the_recorded_honest_and_wrong_steps():
     assert max(errors[name] for name in honest) * 3 < profile.moments_rtol, errors
     assert min(errors[name] for name in set(errors) - set(honest)) > 2 * profile.moments_rtol, errors
     assert moments_error(starter, runs["reference-full"], "entries") > 1e6  # entry by entry it would zero the fix
+
+
+def test_the_h200x1_tolerances_sit_between_the_recorded_honest_and_wrong_submissions():
+    """The h200x1 re-grade over three seeds (benchmarks/results/2026-12-02-h200-a1-regrade/): every
+    honest submission's whole-step and moments errors under the rubric's tolerances, the top-1 step
+    beyond both, the step that skips a parameter beyond the moments'. Fails if a tolerance moves
+    past what one H200 measured."""
+    profile = load_rubric().profile("h200x1")
+    record = KIT / "benchmarks" / "results" / "2026-12-02-h200-a1-regrade"
+    step, moments = {}, {}
+    for path in record.glob("*/*/results.json"):
+        results = json.loads(path.read_text())
+        feedback = " ".join(t["output"] for t in results["tests"] if "moe" in t["tags"])
+        key = (path.parent.parent.name, path.parent.name)
+        step[key] = float(re.search(r"on the same seeds: worst relative error (\S+) ", feedback)[1])
+        moments[key] = results["extra_data"]["numbers"]["moments_error"]
+    wrong = ("exact-layer-top1-in-the-model", "step-skips-a-parameter", "wrong-fast-moe")
+    honest = [key for key in step if key[1] not in wrong]
+    assert len(honest) == 8 and len(step) == 13, sorted(step)
+    assert max(step[key] for key in honest) < profile.train_rtol, step
+    assert max(moments[key] for key in honest) < profile.moments_rtol, moments
+    for key in step:
+        if key[1] == "exact-layer-top1-in-the-model":
+            assert step[key] > profile.train_rtol and moments[key] > profile.moments_rtol, key
+        elif key[1] == "step-skips-a-parameter":
+            assert moments[key] is None, key  # infinitely wrong: recorded as null
