@@ -45,12 +45,12 @@ demo: setup bubblewrap
 ## Tests: the whole suite (CI runs this; under 20 minutes on 2 cores).
 test: setup bubblewrap
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q --durations=20 -n auto --dist loadfile
 
 ## Quick loop while developing: skip the tests marked slow.
 test-fast: setup bubblewrap
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n auto --dist loadfile
 
 ## TAs, on a fresh node before grading: GPUs and NCCL, bubblewrap, the starter's and the solution's
 ## bench, one A1 grade of the reference and a short A2 run replayed; PASS or FAIL (with the fix) per

@@ -19,6 +19,23 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _pin_this_worker() -> None:
+    """Under pytest-xdist (`make test`: a worker per CPU, a file per worker), each worker on CPUs of
+    its own: the grader pins a child to the first CPUs it may use, so without this every worker's
+    gradings would share CPU 0 and time each other, while the other CPUs idle."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cpus = sorted(os.sched_getaffinity(0))
+    if worker is None or count < 2 or len(cpus) < count:
+        return
+    share = len(cpus) // count
+    mine = cpus[int(worker.removeprefix("gw")) * share:][:share]
+    os.sched_setaffinity(0, mine)
+    os.environ["OMP_NUM_THREADS"] = str(len(mine))  # torch's threads, here and in what the tests start
+
+
+_pin_this_worker()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """With ONENODE_REQUIRE_SANDBOX=1 (CI: .ci/run), a sandbox test that skips because this machine
