@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from redteam.a2_forgeries import BUDGET, SMALL, STEPS, TINY, TOKENS_PER_STEP
@@ -29,6 +31,8 @@ from grader.a2.rubric import load_rubric as load_a2_rubric
 from grader.a2.scoring import verify
 from grader.cohort import grade_cohort
 from grader.errors import SubmissionError
+from grader.rubric import KIT_ROOT
+from grader.sandbox import Limits, make_scratch, run_sandboxed
 
 PASSAGE = ("Now is the winter of our discontent made glorious summer by this sun of York and all the clouds "
            "that lour'd upon our house in the deep bosom of the ocean buried")
@@ -246,6 +250,78 @@ def test_evaluation_text_in_the_trained_shards_is_caught_on_every_profile(tmp_pa
         assert checks["contamination"].detail.startswith("1 of 2 training documents share 13 words")
     loaded = load_a2_submission(sub)
     assert contamination(loaded, {"notes": sub / "data" / "notes" / "train.bin"}, [CLEAN.upper()]).ok
+
+
+HEADING = ("SCENE I. Padua. A room in BAPTISTA'S house, where the suitors wait with their servants, and "
+           "enter Katharina and Bianca with musicians")
+
+
+def _data_said_to_be_built_from_the_corpus(data: Path) -> SimpleNamespace:
+    """`data` as contamination() reads it, its manifest naming the kit corpus's shakespeare as its source."""
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["sources"] = {"shakespeare": {"spec": {"kind": "corpus", "part": "shakespeare"}}}
+    return SimpleNamespace(data=data, data_manifest=manifest)
+
+
+def test_what_the_kit_corpus_repeats_outside_its_held_out_documents_is_not_contamination(tmp_path, monkeypatch):
+    """A heading that the corpus's training side holds (in another scene) and the suite repeats is
+    every honest build's: not counted for a data folder built from that part; a passage the corpus
+    does not hold outside its held-out documents still is, and without the part nothing is exempt."""
+    from onenode.data import corpus
+    from onenode.data.build import is_validation
+
+    scene = HEADING + ". Enter Petruchio, and the rest of the scene goes on in words of its own."
+    assert not is_validation(scene, 0.01)  # the corpus's training side
+    part = tmp_path / "shakespeare.jsonl"
+    part.write_text(json.dumps({"title": "The Taming of the Shrew", "text": scene}) + "\n")
+    monkeypatch.setattr(corpus, "corpus_part", lambda name: part)
+    data = _build_data(tmp_path / "data", {"scene.txt": scene + " " + CLEAN, "leak.txt": CLEAN + PASSAGE},
+                       {"train_bpe": {"vocab_size": 300}})
+    shards = {"notes": data / "notes" / "train.bin"}
+    eval_texts = [HEADING + ". " + PASSAGE]
+
+    check = contamination(_data_said_to_be_built_from_the_corpus(data), shards, eval_texts)
+    assert not check.ok and check.detail.startswith("1 of 2 training documents"), check.detail  # the leak alone
+    assert "the kit corpus's shakespeare hold outside the suite's held-out documents not counted" in check.detail
+    check = contamination(_data_said_to_be_built_from_the_corpus(data), shards, [HEADING + " and more words"])
+    assert check.ok, check.detail
+    files_only = SimpleNamespace(data=data, data_manifest=json.loads((data / "manifest.json").read_text()))
+    assert contamination(files_only, shards, eval_texts).detail.startswith("2 of 2 training documents")
+
+
+def test_runs_of_whitespace_are_not_contamination(tmp_path):
+    """Indentation that a training document and the suite share is not evaluation text; the same
+    run with words in it is."""
+    indented = "A poem, set as poems are:" + " " * 80 + "and its last line."
+    data = _build_data(tmp_path / "data", {"indented.txt": CLEAN + indented}, {"train_bpe": {"vocab_size": 300}})
+    sub = SimpleNamespace(data=data, data_manifest=json.loads((data / "manifest.json").read_text()))
+    shards = {"notes": data / "notes" / "train.bin"}
+    assert contamination(sub, shards, ["Other words entirely." + " " * 80 + "Still others."]).ok
+    assert not contamination(sub, shards, [CLEAN[:200]]).ok
+
+
+def test_a_checkpoint_naming_the_gpt2_bpe_finds_it_in_the_offline_evaluation_sandbox():
+    """The evaluation's sandbox has no network: the GPT-2 BPE a checkpoint names (what every run
+    on the default data carries) is staged from the grader's cache into the sandbox's own, where
+    the kit's loader finds it, its sha256 the grader's."""
+    from grader.a2.evaluation import _stage_named_tokenizer
+    from onenode.data.tokenizer import load_tokenizer
+
+    scratch = make_scratch()
+    try:
+        shutil.copytree(KIT_ROOT / "starter_code", scratch / "starter_code",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        (scratch / "checkpoint").mkdir()
+        (scratch / "checkpoint" / "onenode_tokenizer.json").write_text(json.dumps({"spec": "gpt2"}))
+        cache = _stage_named_tokenizer(scratch / "checkpoint", scratch / ".cache" / "onenode")
+        code = ("from onenode.eval.model import checkpoint_tokenizer; "
+                "print(checkpoint_tokenizer('checkpoint').content_hash())")
+        result = run_sandboxed([sys.executable, "-c", code], cwd=scratch, env={"ONENODE_CACHE": str(cache)},
+                               limits=Limits(wall_s=120, cpu_s=120, memory_mb=None))
+        assert result.ok, result.stderr.decode()[-1500:]
+        assert result.stdout.decode().strip() == load_tokenizer("gpt2").content_hash()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def test_spans_are_drawn_by_their_steps_within_the_replay_budget():

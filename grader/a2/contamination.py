@@ -8,10 +8,17 @@ GPT-2's BPE, about 35 for a 512-token one): the data pipeline's 13-word rule, on
 that billions of tokens scan in minutes: vectorised rolling hashes over the memory-mapped shards (nothing decoded), a
 table of the wanted hashes' top bits in front of the exact lookup, chunks spread over the
 profile's CPU threads.
+
+Two kinds of shared run say nothing of where a text came from, and are not counted: runs that are
+mostly whitespace (at least half of a run's tokens must carry text: indentation and blank lines
+are every poem's and table's), and runs that the kit's own corpus holds outside the documents its
+offline suite holds out, in the parts the data was built from (a scene's heading repeated in
+another scene, a refrain, a quotation: every honest build of those parts trains on them).
 """
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ProcessPoolExecutor
 from functools import cache
 from pathlib import Path
@@ -113,6 +120,49 @@ def flagged_documents(shards: dict[str, Path], dtype: str, wanted: np.ndarray, n
     return {name: len(docs) for name, docs in documents.items()}
 
 
+def text_runs(ids: np.ndarray, n: int, carries_text: np.ndarray) -> np.ndarray:
+    """The hashes of the runs of `n` tokens of `ids` in which at least half the tokens carry text
+    (`carries_text[id]`: the token decodes to more than whitespace)."""
+    hashes = ngram_hashes(ids, n)
+    counts = np.concatenate([[0], np.cumsum(carries_text[ids])])
+    return hashes[(counts[n:] - counts[:len(hashes)]) * 2 >= n]
+
+
+def carries_text(tokenizer) -> np.ndarray:
+    """Per token id: whether it decodes to more than whitespace."""
+    return np.array([bool(tokenizer.decode([i]).strip()) for i in range(tokenizer.vocab_size)])
+
+
+_CORPUS_RUNS: dict[tuple[str, int, tuple[str, ...]], np.ndarray] = {}
+
+
+def corpus_parts(manifest: dict) -> tuple[str, ...]:
+    """The kit corpus's parts a data folder was built from, as its manifest names them."""
+    from onenode.data.corpus import PARTS
+
+    specs = [source.get("spec") for source in (manifest.get("sources") or {}).values() if isinstance(source, dict)]
+    return tuple(sorted({spec["part"] for spec in specs
+                         if isinstance(spec, dict) and spec.get("kind") == "corpus" and spec.get("part") in PARTS}))
+
+
+def corpus_runs(tokenizer, n: int, parts: tuple[str, ...]) -> np.ndarray:
+    """The runs of `n` tokens that `parts` of the kit's corpus hold outside the documents the
+    offline suite holds out (sorted, unique; computed once per tokenizer)."""
+    from onenode.data.build import is_validation
+    from onenode.data.corpus import corpus_part
+    from onenode.eval.suite import HELDOUT_FRACTION
+
+    key = (tokenizer.content_hash(), n, parts)
+    if key not in _CORPUS_RUNS:
+        texts = []
+        for part in parts:
+            with corpus_part(part).open(encoding="utf-8") as f:
+                texts += [d["text"] for d in map(json.loads, f) if not is_validation(d["text"], HELDOUT_FRACTION)]
+        runs = [ngram_hashes(np.asarray(ids), n) for ids in tokenizer.encode_batch(texts)]
+        _CORPUS_RUNS[key] = np.unique(np.concatenate(runs + [np.empty(0, dtype=np.uint64)]))
+    return _CORPUS_RUNS[key]
+
+
 def data_tokenizer(data: Path, manifest: dict):
     """The tokenizer the shards were built with: data/tokenizer.json, or the one the manifest names."""
     from onenode.data.tokenizer import load_tokenizer
@@ -135,10 +185,18 @@ def contamination(sub: A2Submission, shards: dict[str, Path], eval_texts: list[s
     encoded = tokenizer.encode_batch(eval_texts)
     words = sum(len(text.split()) for text in eval_texts)
     n = max(NGRAM_WORDS, round(NGRAM_WORDS * sum(map(len, encoded)) / max(words, 1)))
-    wanted = np.concatenate([ngram_hashes(np.asarray(ids), n) for ids in encoded] + [np.empty(0, dtype=np.uint64)])
+    text = carries_text(tokenizer)
+    wanted = np.unique(np.concatenate([text_runs(np.asarray(ids), n, text) for ids in encoded]
+                                      + [np.empty(0, dtype=np.uint64)]))
+    parts, exempt = corpus_parts(manifest), ""
+    if parts and len(wanted):
+        shared = np.isin(wanted, corpus_runs(tokenizer, n, parts))
+        wanted = wanted[~shared]
+        exempt = (f"; {int(shared.sum())} of the evaluation text's runs that the kit corpus's {', '.join(parts)} "
+                  "hold outside the suite's held-out documents not counted")
     flagged = flagged_documents(shards, manifest["dtype"], wanted, n, workers) if len(wanted) else {}
     total = sum(Shard(path.with_suffix(""), np.dtype(manifest["dtype"])).num_docs for path in shards.values())
     sources = ", ".join(f"{name}: {count}" for name, count in sorted(flagged.items(), key=lambda x: -x[1]) if count)
     return Check("contamination", not sources,
                  f"{sum(flagged.values())} of {total} training documents share {NGRAM_WORDS} words ({n} tokens) "
-                 "with the evaluation text" + (f" ({sources})" if sources else ""))
+                 "with the evaluation text" + (f" ({sources})" if sources else "") + exempt)

@@ -36,7 +36,8 @@ def evaluate_sandboxed(checkpoint: Path, profile: A2Profile, suite_dir: Path | N
             _retarget_tasks(scratch / "suite")
             argv += ["--tasks-dir", "suite", "--val-text", "suite/heldout.txt",
                      "--val-seq-len", str(profile.max_length)]
-        env = {"OMP_NUM_THREADS": str(profile.threads), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+        env = {"OMP_NUM_THREADS": str(profile.threads), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+               "ONENODE_CACHE": str(_stage_named_tokenizer(scratch / "checkpoint", scratch / ".cache" / "onenode"))}
         if profile.hf_home:
             env["HF_HOME"] = profile.hf_home
         limits = Limits(wall_s=profile.timeout_s, cpu_s=profile.timeout_s * max(1, profile.threads),
@@ -55,6 +56,23 @@ def evaluate_sandboxed(checkpoint: Path, profile: A2Profile, suite_dir: Path | N
         return json.loads(report_file.read_text()), None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _stage_named_tokenizer(checkpoint: Path, cache: Path) -> Path:
+    """The sandbox's own kit cache, holding the grader's copy of the GPT-2 BPE where `checkpoint`
+    names it (`onenode_tokenizer.json`): the sandbox has no network to fetch it. The evaluation
+    still checks it against the sha256 the checkpoint names."""
+    from onenode.data.tokenizer import gpt2_ranks_file
+    from onenode.eval.model import TOKENIZER_SPEC_FILE
+
+    try:
+        named = json.loads((checkpoint / TOKENIZER_SPEC_FILE).read_text()).get("spec")
+    except (OSError, ValueError, AttributeError):
+        named = None  # no file, or a malformed one: the evaluation says which
+    if named == "gpt2":
+        (cache / "tokenizers").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(gpt2_ranks_file(), cache / "tokenizers" / "gpt2.tiktoken")
+    return cache
 
 
 def _retarget_tasks(suite: Path) -> None:
