@@ -324,6 +324,25 @@ def test_a_checkpoint_naming_the_gpt2_bpe_finds_it_in_the_offline_evaluation_san
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def test_a_grader_without_the_named_tokenizer_says_how_to_get_it(tmp_path, monkeypatch):
+    """Offline, and without the GPT-2 BPE in its cache, the grader fails the evaluation in one line
+    that says what to run, before anything starts in the sandbox."""
+    from grader.a2.evaluation import evaluate_sandboxed
+    from onenode.data import tokenizer
+    from onenode.data.corpus import FetchError
+
+    def offline():
+        raise FetchError("pip could not download openai-whisper==20250625 from PyPI")
+
+    monkeypatch.setattr(tokenizer, "gpt2_ranks_file", offline)
+    checkpoint = tmp_path / "final"
+    checkpoint.mkdir()
+    (checkpoint / "onenode_tokenizer.json").write_text(json.dumps({"spec": "gpt2"}))
+    report, error = evaluate_sandboxed(checkpoint, load_a2_rubric().profile("cpu-tiny"), None, tmp_path, "x")
+    assert report is None and "\n" not in error
+    assert error.startswith("the grader has no copy of the tokenizer") and "`onenode data fetch`" in error
+
+
 def test_spans_are_drawn_by_their_steps_within_the_replay_budget():
     """The first and the last span always; then a long span among many short ones is drawn as
     often as its steps say, never past the budget."""

