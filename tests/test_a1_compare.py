@@ -323,10 +323,11 @@ def run(digests: list, seconds: float, traffic: int = 0) -> SessionResult:
 
 @pytest.fixture
 def profile():
-    """cpu-tiny with the GPU profiles' speed ranges (h200x1): a ratio taken upside down scores
-    differently there."""
+    """cpu-tiny with the GPU profiles' speed ranges, every one scored (h200x1): a ratio taken upside
+    down scores differently there."""
     rubric = load_rubric()
-    return dataclasses.replace(rubric.profile("cpu-tiny"), speed=rubric.profile("h200x1").speed)
+    gpu = rubric.profile("h200x1")
+    return dataclasses.replace(rubric.profile("cpu-tiny"), speed=gpu.speed, scored_speeds=gpu.scored_speeds)
 
 
 def context(profile, runs: dict[str, SessionResult], starter_step_s: float = 2.0) -> scoring.Context:
@@ -458,6 +459,44 @@ def test_wrong_ep_losses_zero_part2(profile):
     wrong[0]["grad_norm"] = math.inf
     scores, outputs = part2(profile, 0.5, wrong, traffic_mb=1.0)
     assert scores == [0, 0, 0] and outputs[0].startswith("wrong: ")
+
+
+# -- what a profile does not score (scored_speeds): no points, no timing told ------------------------
+def test_cpu_profiles_score_the_layer_alone_and_tell_no_whole_step_speed():
+    """cpu-tiny scores the MoE layer only: a whole step 20x the starter's (CPU timing noise) adds
+    nothing to Part 1's speed and appears nowhere in its feedback or Gradescope leaderboard."""
+    tiny = load_rubric().profile("cpu-tiny")
+    assert tiny.scored_speeds == ["moe_layer"]
+    n_moe = tiny.moe["warmup"] + tiny.moe["repeats"]
+    ctx = context(tiny, {"moe": run(workloads(n_moe), 1 / 1.8), "reference": honest_step(tiny, 0.1)})
+    scoring.grade_moe(ctx)
+    correctness, speed = ctx.tests
+    assert correctness["score"] == 4.0
+    layer = speed_share(1.8, *tiny.speed["moe_layer"])
+    assert 0 < layer < 1 and speed["score"] == pytest.approx(6 * layer, abs=1e-3)  # not halfway to a full step's
+    assert "1.80x" in speed["output"] and "whole step" not in speed["output"]
+    assert "x the starter" not in speed["output"] and "tokens/s" not in speed["output"]
+    assert [e["name"] for e in ctx.leaderboard] == ["Part 1: MoE speedup"]
+    assert ctx.measurements["reference_step_speedup"] == pytest.approx(20.0)  # recorded all the same
+
+
+def test_a_part_whose_step_is_not_scored_has_a_speed_test_worth_nothing():
+    tiny = load_rubric().profile("cpu-tiny")
+    n = tiny.warmup + tiny.repeats
+    ctx = context(tiny, {"ep": run(steps(n), 0.1, traffic=2**20)})  # 20x the starter's ep step
+    scoring.grade_ep(ctx)
+    assert [(t["score"], t["max_score"]) for t in ctx.tests] == [(3.0, 3.0), (4.0, 4.0), (0, 0)]
+    assert ctx.tests[2]["output"] == "not scored on profile cpu-tiny (CPU timing noise)"
+    assert not any(re.search(r"\d\.\d\dx", t["output"]) for t in ctx.tests)
+    assert ctx.leaderboard == []
+
+
+@pytest.mark.parametrize("scored", [["moe_layer", "warp_step"], ["moe_layer", "moe_step"]],
+                         ids=["unknown", "no-range"])
+def test_a_scored_speed_needs_a_known_name_and_a_range(scored):
+    tiny = load_rubric().profile("cpu-tiny")  # it has moe_layer's range only
+    with pytest.raises(ValueError, match="scored_speeds"):
+        dataclasses.replace(tiny, scored_speeds=scored)
 
 
 # -- the kit's own training comparison (tests/dist_utils.py) ------------------------------------------

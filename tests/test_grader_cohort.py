@@ -86,6 +86,7 @@ timeout_s = 240
 memory_mb = 4096
 moe = { tokens = 64, warmup = 1, repeats = 2, overrides = { n_routed_experts = 8, n_group = 1, topk_group = 1 } }
 speed = { moe_layer = [1.5, 2.5], moe_step = [0.5, 1.0], ep_step = [0.2, 0.3], pp_step = [0.2, 0.3] }
+scored_speeds = ["moe_layer", "moe_step"]
 max_expert_traffic = 0.25
 pipeline_traffic = [0.5, 0.7]
 layouts.reference = { world = 1, dp = 1, ep = 1, pp = 1 }

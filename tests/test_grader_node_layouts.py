@@ -44,13 +44,11 @@ def test_course_node_layouts_on_eight_processes(tmp_path, monkeypatch):
         results[name] = grade_one(A1, cohort[name], job, tmp_path / "out")
     for name, earns in parts.items():
         for test in (t for t in results[name]["tests"] if t["tags"][0] in earns):
-            # correctness and the evidence exactly; speed on 8 processes over 2 cores only shows the
-            # path is timed (cpu-8proc's ranges are not calibrated: the machine times nothing of it,
-            # and beside other tests its points come and go)
+            # correctness and the evidence exactly; no speed: 8 processes over 2 cores time nothing
+            # of the layouts, so cpu-8proc scores no whole step (scored_speeds) and tells no timing
+            assert test["score"] == test["max_score"], (name, test)
             if test["name"].endswith("speed"):
-                assert re.search(r"\d+\.\d\dx the starter", test["output"]), (name, test)
-            else:
-                assert test["score"] == test["max_score"], (name, test)
+                assert test["max_score"] == 0 and not re.search(r"\d\.\d\dx", test["output"]), (name, test)
     numbers = {name: r["extra_data"]["numbers"] for name, r in results.items()}
     assert numbers["reference-full"]["expert_traffic_ratio"] < profile.max_expert_traffic
     assert all(t > 0 for t in job.reference.ep.traffic), "the starter's dp=8 FSDP traffic, read from outside"

@@ -12,6 +12,8 @@ from ..rubric import KIT_ROOT, Profile, Rubric, read_toml
 from .compare import MOMENTS_READINGS
 
 RUBRIC_PATH = KIT_ROOT / "a1_infra" / "rubric.toml"
+# What a profile may time against the starter: Part 1's layer, and the whole step of each layout
+SPEED_MEASUREMENTS = ("moe_layer", "moe_step", "ep_step", "pp_step")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class A1Profile(Profile):
     train_rtol: float  # the training losses' and gradient norms' tolerance against the starter's
     moe: dict[str, int | dict]  # Part 1's session: tokens, iters, warmup, repeats, overrides (its config)
     speed: dict[str, list[float]]  # measurement -> [low, high] speedup: no points below, full above
+    # the measurements that earn speed points here; the others are timed and recorded, worth nothing
+    scored_speeds: list[str]
     max_expert_traffic: float  # Part 2: the share of the starter's expert traffic a fixed ep layout may move
     # Part 3: [low, high]: a fixed pp layout moves at least low x the activations at its stage
     # boundaries and at most high x what plain data parallelism moves
@@ -82,13 +86,26 @@ class A1Profile(Profile):
             if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2 and 0 < bounds[0] < bounds[1]):
                 raise ValueError(f"profile {self.name}: speed.{measurement} = {bounds!r}: give [low, high] "
                                  "speedups with 0 < low < high")
+        if any(m not in SPEED_MEASUREMENTS or m not in self.speed for m in self.scored_speeds):
+            raise ValueError(f"profile {self.name}: scored_speeds = {self.scored_speeds!r}: name measurements of "
+                             f"{', '.join(SPEED_MEASUREMENTS)}, each with its [low, high] in speed")
         if self.pipeline_memory is not None and (self.device != "cpu" or self.dtype != "float32"
                                                  or self.layouts.get("pp", {}).get("dp", 1) != 1):
             raise ValueError(f"profile {self.name}: pipeline_memory reads host memory against float32 state, on "
                              "pp layouts with dp = 1: set it on float32 CPU profiles of that kind only")
 
-    def speed_share(self, measurement: str, speedup: float) -> float:
+    def speed_share(self, measurement: str, speedup: float) -> float | None:
+        """The share of the speed points `speedup` earns; None where the profile does not score
+        `measurement` (not in scored_speeds): it earns none, whatever it reads."""
+        if measurement not in self.scored_speeds:
+            return None
         return speed_share(speedup, *self.speed[measurement])
+
+    @property
+    def speed_not_scored(self) -> str:
+        """What the feedback and the leaderboard say of a measurement the profile does not score."""
+        why = "CPU timing noise" if self.device == "cpu" else "the rubric's scored_speeds leaves it out"
+        return f"not scored on profile {self.name} ({why})"
 
 
 @dataclass(frozen=True)

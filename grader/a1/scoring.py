@@ -11,6 +11,7 @@ plus the speed or feature points that the measurement reaches.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from ..assignment import Graded
 from ..errors import GraderError
+from ..report import test_entry
 from ..runner import SessionResult, run_sessions
 from ..submission import Submission, load_submission, patched_tree
 from .compare import loss_error, moe_error, moments_error, moments_names_problem, worst_moments
@@ -50,10 +52,15 @@ def _not_on_profile(ctx: Context, part: Part, layout: str) -> None:
     ctx.tests += [dict(t, max_score=0, status="passed") for t in part.tests((0, 0, 0), (note,) * 3)]
 
 
-def _award(ctx: Context, part: Part, correct: bool, fixed: bool, speed: float, checked: str, feature: str,
+def _award(ctx: Context, part: Part, correct: bool, fixed: bool, speed: float | None, checked: str, feature: str,
            timing: str, not_fixed: str) -> None:
     """The part's rule: wrong zeroes it; correct earns correctness and feature points once the
-    feature check shows the slow path gone, whatever the speed; the speed share only then."""
+    feature check shows the slow path gone, whatever the speed; the speed share only then. `speed`
+    None: the profile scores no speed of the part (scored_speeds), so its speed test is worth 0 and
+    names no timing."""
+    unscored = speed is None
+    if unscored:
+        part, speed = dataclasses.replace(part, speed=0), 0.0
     if not correct:
         ctx.tests += part.tests((0, 0, 0), (f"wrong: {checked}; the part earns nothing until it matches",
                                             f"zeroed (wrong results): {feature}", f"zeroed (wrong results): {timing}"))
@@ -63,6 +70,8 @@ def _award(ctx: Context, part: Part, correct: bool, fixed: bool, speed: float, c
     else:
         ctx.tests += part.tests((part.correctness, part.feature, part.speed * speed),
                                 (f"matches: {checked}", feature, timing))
+    if unscored:
+        ctx.tests.append(test_entry(f"{part.title}: speed", 0, 0, ctx.job.profile.speed_not_scored, part.key))
 
 
 def _range(profile: A1Profile, measurement: str) -> str:
@@ -85,20 +94,22 @@ def grade_moe(ctx: Context) -> None:
     starter_s, yours_s = _median_timed(ctx.runs["moe-starter"], warmup), _median_timed(run, warmup)
     layer = starter_s / yours_s
     ctx.measurements["moe_speedup"] = layer
-    ctx.leaderboard.append({"name": "Part 1: MoE speedup", "value": round(layer, 2)})
+    if "moe_layer" in profile.scored_speeds:
+        ctx.leaderboard.append({"name": "Part 1: MoE speedup", "value": round(layer, 2)})
     exact = " computed in float32" if ref.moe_exact is not ref.moe else ""
     checked = (f"outputs, input gradients and each expert's gradients on {len(run.digests)} grader-chosen inputs, "
                f"against the starter's layer{exact}: worst relative error {error:.2g} (tolerance {profile.rtol:g})")
-    timing = (f"one MoE layer, median of {len(run.seconds) - warmup} timed workloads of {profile.moe.get('iters', 1)} "
-              f"forward+backward passes in turns with the starter: starter {starter_s * 1e3:.2f} ms, yours "
-              f"{yours_s * 1e3:.2f} ms, {layer:.2f}x ({_range(profile, 'moe_layer')})")
+    timings = {"moe_layer": (
+        f"one MoE layer, median of {len(run.seconds) - warmup} timed workloads of {profile.moe.get('iters', 1)} "
+        f"forward+backward passes in turns with the starter: starter {starter_s * 1e3:.2f} ms, yours "
+        f"{yours_s * 1e3:.2f} ms, {layer:.2f}x ({_range(profile, 'moe_layer')})")}
     # The whole step must train like the starter's too: a layer exact in the check above but
     # wrong (or failing) inside the model zeroes the part, its speed included.
     step = ctx.runs.get("reference")
     if step is None or not step.ok:
         step_error = math.inf
         checked += f"; whole step, reference layout: failed ({step.error if step else 'it did not run'})"
-        timing += "; whole step, reference layout: failed, not timed"
+        timings["moe_step"] = "whole step, reference layout: failed, not timed"
     else:
         step_error = loss_error(ref.train.digests, step.digests)
         checked += f"; whole step, reference layout: {_checked(step, step_error, profile.train_rtol)}"
@@ -107,14 +118,17 @@ def grade_moe(ctx: Context) -> None:
         if not moments_ok:
             step_error = math.inf  # the step applied other gradients than the starter's
     step_correct = step_error <= profile.train_rtol
-    share = profile.speed_share("moe_layer", layer)
+    shares = {"moe_layer": profile.speed_share("moe_layer", layer)}
     if step_correct:
-        whole, line = _step_numbers(ctx, step, ref.train, "reference", "moe_step")
+        whole, timings["moe_step"] = _step_numbers(ctx, step, ref.train, "reference", "moe_step")
         ctx.measurements["moe_step_speedup"] = whole
-        share = (share + profile.speed_share("moe_step", whole)) / 2
-        timing += f"; {line}"
+        shares["moe_step"] = profile.speed_share("moe_step", whole)
     elif step is not None and step.ok:
-        timing += "; whole step, reference layout: it trains differently from the starter's, not timed"
+        timings["moe_step"] = "whole step, reference layout: it trains differently from the starter's, not timed"
+    # the mean share of the measurements the profile scores; the others are neither scored nor told
+    scored = [m for m in ("moe_layer", "moe_step") if m in profile.scored_speeds]
+    share = sum(shares.get(m) or 0.0 for m in scored) / len(scored) if scored else None
+    timing = "; ".join(timings[m] for m in scored if m in timings)
     fixed = layer > profile.speed["moe_layer"][0]
     _award(ctx, part, error <= profile.rtol and step_correct, fixed, share, checked, "", timing,
            f"the MoE layer is not faster than the starter's ({layer:.2f}x; {profile.speed['moe_layer'][0]:g}x "
@@ -123,23 +137,28 @@ def grade_moe(ctx: Context) -> None:
 
 def _step_numbers(ctx: Context, run: SessionResult, starter: SessionResult, layout_name: str,
                   measurement: str | None = None) -> tuple[float, str]:
-    """The whole step's speedup over `starter`, tokens/s (and MFU on GPU) for the leaderboard,
-    and a line for the feedback; `measurement` names its speed range (`<layout_name>_step`)."""
+    """The whole step's speedup over `starter`, tokens/s (and MFU on GPU), and a line for the
+    feedback; `measurement` names its speed range (`<layout_name>_step`). All are recorded; the
+    Gradescope leaderboard gets them only where the profile scores the measurement."""
     profile = ctx.job.profile
+    measurement = measurement or f"{layout_name}_step"
+    scored = measurement in profile.scored_speeds
     tokens = profile.batch * profile.seq_len
     seconds = _median_timed(run, profile.warmup)
     tokens_per_s = tokens / seconds
     ratio = _median_timed(starter, profile.warmup) / seconds
     ctx.measurements.update({f"{layout_name}_tokens_per_s": tokens_per_s, f"{layout_name}_step_speedup": ratio})
-    ctx.leaderboard += [{"name": f"Step tokens/s ({layout_name} layout)", "value": round(tokens_per_s, 1)},
-                        {"name": f"Step speedup vs starter ({layout_name})", "value": round(ratio, 2)}]
+    if scored:
+        ctx.leaderboard += [{"name": f"Step tokens/s ({layout_name} layout)", "value": round(tokens_per_s, 1)},
+                            {"name": f"Step speedup vs starter ({layout_name})", "value": round(ratio, 2)}]
     line = f"whole step, {layout_name} layout: {tokens_per_s:,.0f} tokens/s, {ratio:.2f}x the starter"
     mfu = model_flops_utilization(profile, tokens_per_s, profile.layouts[layout_name]["world"])
     if mfu is not None:
         ctx.measurements[f"{layout_name}_mfu"] = mfu
-        ctx.leaderboard.append({"name": f"MFU % ({layout_name} layout)", "value": round(100 * mfu, 2)})
+        if scored:
+            ctx.leaderboard.append({"name": f"MFU % ({layout_name} layout)", "value": round(100 * mfu, 2)})
         line += f", MFU {100 * mfu:.2f}% of dense bf16 peak"
-    return ratio, f"{line} ({_range(profile, measurement or f'{layout_name}_step')})"
+    return ratio, f"{line} ({_range(profile, measurement)})" if scored else line
 
 
 def _traffic(run: SessionResult, warmup: int) -> float:
@@ -326,6 +345,10 @@ def grade(job: A1Job, path: Path, work: Path, logs: Path) -> Graded:
     ctx = Context(job, submission, runs, logs)
     for step in STEPS:
         if job.notebooks or step is not grade_notebook:
+            shown, tests = len(ctx.leaderboard), len(ctx.tests)
             step(ctx)
+            if not any(t["score"] for t in ctx.tests[tests:]):
+                del ctx.leaderboard[shown:]  # a part that earned nothing shows no speed (extra_data keeps it)
     return Graded(ctx.tests, ctx.leaderboard, ctx.measurements, ctx.failures,
-                  extra_data={"changed_files": submission.changed_files, **ctx.records})
+                  extra_data={"changed_files": submission.changed_files,
+                              "scored_speeds": list(job.profile.scored_speeds), **ctx.records})
