@@ -91,6 +91,8 @@ class Assignment:
     leaderboard_columns: Callable[[list], list[tuple]]
     handout: Handout
     leaderboard_plots: tuple[tuple[str, Callable], ...] = ()  # (PNG name, plot(entries, path, pyplot) -> drawn)
+    # its entries of one profile -> the lines above their table (headline figures, what is not scored)
+    leaderboard_headline: Callable[[list], list[str]] | None = None
     demo: Demo | None = None
     # the nbgrader source folder of its report.ipynb (None: the kit's assignments/source/NAME/);
     # its `grade` passes the same to `notebook.grade`

@@ -3,14 +3,17 @@
     onenode-grade leaderboard --cohort out/a1 --cohort out/a2 --out site/
 
 reads every `<name>/results.json` that `onenode-grade a1`/`a2` wrote under each --cohort folder
-and writes `site/index.html` (one page: inline CSS, a few lines of inline JS to sort columns, no
-server, nothing fetched from anywhere), the plots beside it as PNG files, and `leaderboard.md`
-with the same tables. Plots need matplotlib; without it the page says so and keeps the tables.
+(with its env.json), or a cohort the kit recorded (`benchmarks/results/*-grading-cohort/`: each
+submission's results.json kept as `<name>.json` beside a README.md), and writes `site/index.html`
+(one page: inline CSS, a few lines of inline JS to sort columns, no server, nothing fetched from
+anywhere), the plots beside it as PNG files, and `leaderboard.md` with the same tables. Plots need
+matplotlib; without it the page says so and keeps the tables.
 
 Each assignment gets a table and plots per grading profile: scores and speeds of different
 machines (cpu-tiny's 40 points beside h200x1's 10, a CPU's tokens/s beside an H200's) are never
 ranked together. A column that no submission of a profile has (MFU on CPU, a layout the profile
-does not grade) is left out of that profile's table.
+does not grade, a speed the profile does not score) is left out of that profile's table. Each
+section says where its results come from: kit commit, profile, GPU, date and grading seed.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import html
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 from .assignment import Assignment
@@ -35,7 +39,8 @@ def number(results: dict, key: str):
 class Entry:
     name: str
     results: dict
-    folder: Path
+    folder: Path  # where its logs are (a recorded cohort keeps none)
+    env: dict = field(default_factory=dict)  # where it ran: its env.json, or what a recorded cohort's README says
 
     @property
     def assignment(self) -> str:
@@ -46,23 +51,75 @@ class Entry:
         return self.results["extra_data"].get("profile", "unknown")
 
 
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise ValueError(f"{path} is not valid JSON: re-grade that submission") from None
+
+
+def _is_results(obj) -> bool:
+    """Whether a JSON file of a recorded cohort is a submission's results.json (not a summary)."""
+    return (isinstance(obj, dict) and isinstance(obj.get("tests"), list) and isinstance(obj.get("extra_data"), dict)
+            and "submission" in obj["extra_data"])
+
+
+def recorded_env(folder: Path) -> dict:
+    """Where a recorded cohort ran, in env.json's keys, from what it keeps (no env.json): the first
+    `commit <sha>` and `NVIDIA <GPU>` its README.md names, the date its folder's name begins with."""
+    readme = folder / "README.md"
+    text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
+    commit = re.search(r"\bcommit ([0-9a-f]{7,40})\b", text)
+    gpu = re.search(r"\bNVIDIA [A-Z]+\d+\w*", text)
+    date = re.match(r"\d{4}-\d{2}-\d{2}", folder.name)
+    return {"kit_commit": commit and commit[1], "machine": {"gpus": [gpu[0]] if gpu else None},
+            "date": date and date[0]}
+
+
 def read_cohorts(folders: list[Path]) -> list[Entry]:
-    """Every graded submission under the given results folders."""
+    """Every graded submission under the given results folders: `<name>/results.json` as the
+    grader writes them, or else the `<name>.json` results of a cohort the kit recorded."""
     entries = []
     for folder in folders:
         if not folder.is_dir():
             raise FileNotFoundError(f"{folder} is not a results folder: pass the --out folder of onenode-grade a1/a2")
-        for path in sorted(folder.glob("*/results.json")):
-            if path.parent.name.startswith("."):
-                continue
-            try:
-                results = json.loads(path.read_text())
-            except json.JSONDecodeError:
-                raise ValueError(f"{path} is not valid JSON: re-grade that submission") from None
-            entries.append(Entry(results["extra_data"]["submission"], results, path.parent))
+        graded = [path for path in sorted(folder.glob("*/results.json")) if not path.parent.name.startswith(".")]
+        for path in graded:
+            results, env = _read_json(path), path.parent / "env.json"
+            entries.append(Entry(results["extra_data"]["submission"], results, path.parent,
+                                 _read_json(env) if env.is_file() else {}))
+        if not graded:
+            recorded = [(path, results) for path in sorted(folder.glob("*.json"))
+                        if _is_results(results := _read_json(path))]
+            env = recorded_env(folder) if recorded else {}
+            entries += [Entry(results["extra_data"]["submission"], results, folder / path.stem, env)
+                        for path, results in recorded]
     if not entries:
-        raise FileNotFoundError(f"no */results.json under {', '.join(map(str, folders))}: grade the cohort first")
+        raise FileNotFoundError(f"no */results.json (nor a recorded cohort's results) under "
+                                f"{', '.join(map(str, folders))}: grade the cohort first")
     return entries
+
+
+def _gpus(entry: Entry) -> str | None:
+    """The GPUs of the machine a submission ran on (env.json's machine.gpus), None if not recorded."""
+    gpus = entry.env.get("machine", {}).get("gpus")
+    if gpus is None:
+        return None
+    names = [gpu.split(",")[0].strip() for gpu in gpus]
+    return ", ".join(f"{names.count(n)}x {n}" if names.count(n) > 1 else n for n in dict.fromkeys(names)) or "none"
+
+
+def provenance(entries: list[Entry]) -> str:
+    """One line: the kit commit, profile, GPU, date and grading seed the entries were graded with
+    (each value they hold, in order; "not recorded" where none holds one)."""
+    def values(read) -> str:
+        found = list(dict.fromkeys(value for entry in entries if (value := read(entry)) is not None))
+        return ", ".join(map(str, found)) or "not recorded"
+
+    return " · ".join([f"kit commit {values(lambda e: (e.env.get('kit_commit') or '')[:12] or None)}",
+                       f"profile {values(lambda e: e.profile)}", f"GPU {values(_gpus)}",
+                       f"graded {values(lambda e: (e.env.get('date') or '')[:10] or None)}",
+                       f"grading seed {values(lambda e: e.results['extra_data'].get('seed'))}"])
 
 
 def _present(value) -> bool:
@@ -168,7 +225,7 @@ _STYLE = """body{font-family:system-ui,sans-serif;max-width:80em;margin:2em auto
 table{border-collapse:collapse;margin:1em 0}th,td{padding:.3em .7em;border-bottom:1px solid #ddd;text-align:right}
 th:first-child,td:first-child{text-align:left}th{cursor:pointer;background:#f4f4f4;user-select:none}
 th.asc::after{content:" \\25B2"}th.desc::after{content:" \\25BC"}img{max-width:100%;display:block;margin:1em 0}
-.note{color:#666}"""
+.note{color:#666}.provenance{font-weight:600}"""
 _SORT_JS = (
     'document.querySelectorAll("table.sortable th").forEach(function(th,col){\n'
     'th.addEventListener("click",function(){var body=th.closest("table").tBodies[0];\n'
@@ -182,9 +239,11 @@ _SORT_JS = (
     '.forEach(function(tr){body.appendChild(tr)})})});'
 )
 _NOTE = ('Click a column header to sort. Each grading profile has its own table: its points and its machine\'s '
-         'speeds are not comparable with another\'s. Beside a whole step\'s tokens/s and MFU stands the unpatched '
-         'starter\'s in the same job. A2 runs marked "no" under verified failed the budget audit and earn no '
-         'benchmark points.')
+         'speeds are not comparable with another\'s. Every speed is a ratio to the unpatched starter timed in the '
+         'same job; a whole step\'s tokens/s and MFU read starter \u2192 submission. A speed is shown only where the '
+         'profile scores it (the rubric\'s scored_speeds: on CPU the MoE layer alone) and its part earned points: '
+         'a part that is wrong, failed or no faster than the starter shows none. A2 runs marked "no" under '
+         'verified failed the budget audit and earn no benchmark points.')
 
 
 def _slug(profile: str) -> str:
@@ -222,15 +281,22 @@ def build_site(folders: list[Path], out: Path, assignments: list[Assignment]) ->
                     if plot(group, out / png, plt):
                         images += f'<img src="{png}" alt="{e(name[:-4].replace("_", " "))}, profile {e(profile)}">'
             table = html_table(f"{assignment.name}-{_slug(profile)}", rows, columns)
-            sections.append(f"<h2>{e(title)}</h2><p class='note'>{e(note)}</p>{table}{images}")
-            markdown += [f"## {title}", "", note, "", markdown_table(rows, columns), ""]
+            origin = f"Graded with {provenance(group)}."
+            lines = assignment.leaderboard_headline(group) if assignment.leaderboard_headline else []
+            headline = "".join(f"<li>{e(line)}</li>" for line in lines)
+            sections.append(f"<h2>{e(title)}</h2><p class='provenance'>{e(origin)}</p><p class='note'>{e(note)}</p>"
+                            + (f"<ul class='headline'>{headline}</ul>" if headline else "") + f"{table}{images}")
+            markdown += [f"## {title}", "", origin, "", note, "", *(f"- {line}" for line in lines),
+                         *([""] if lines else []), markdown_table(rows, columns), ""]
+    built = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    markdown[1:1] = ["", f"Page built {built}."]
     page = out / "index.html"
     page.write_text(f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>OneNode leaderboard</title>
 <style>{_STYLE}</style></head><body>
 <h1>OneNode leaderboard</h1>
 <p class="note">{_NOTE}
-The same tables are in <a href="leaderboard.md">leaderboard.md</a>.</p>
+The same tables are in <a href="leaderboard.md">leaderboard.md</a>. Page built {built}.</p>
 {''.join(sections)}
 <script>{_SORT_JS}</script>
 </body></html>

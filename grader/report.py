@@ -9,6 +9,7 @@ import platform
 import shutil
 import subprocess
 import sys
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
@@ -119,6 +120,10 @@ def _gpus() -> list[str]:
 
 
 def _kit_commit() -> str | None:
+    """The kit's git commit; `ONENODE_COMMIT` names it where the tree arrives without its .git (a
+    copy on a GPU machine), as for the training logs."""
+    if os.environ.get("ONENODE_COMMIT"):
+        return os.environ["ONENODE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=KIT_ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
@@ -136,6 +141,7 @@ def environment(profile: Profile, seed: int) -> dict:
         "versions": {"python": sys.version.split()[0],
                      **{p: _version(p) for p in ("torch", "transformers", "onenode")}},
         "kit_commit": _kit_commit(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "profile": profile.as_dict(),
         "seed": seed,
         "sandbox": capabilities(),

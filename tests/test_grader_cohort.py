@@ -68,6 +68,22 @@ def test_csv_and_table(tmp_path):
     assert text.splitlines()[1].startswith("a ") and "4/4" in text and "0/4" in text
 
 
+def test_the_table_shows_no_whole_step_speed_on_cpu_and_no_speed_of_a_zeroed_part():
+    """cpu-tiny scores the MoE layer alone: its whole steps' tokens/s (noise there) are left out;
+    a part that earned nothing (b: wrong, 12x) shows no speed. On h200x1 the step is scored."""
+    def graded(name, score, profile):
+        results = fake_results(name, score)
+        results["extra_data"].update(profile=profile, numbers={"moe_speedup": 12.39 if not score else 2.5,
+                                                               "reference_tokens_per_s": 9321.0})
+        return results
+
+    cpu = table(A1, [graded("a", 4, "cpu-tiny"), graded("b", 0, "cpu-tiny")])
+    assert "step tok/s" not in cpu and "9321" not in cpu
+    assert "2.5" in cpu.splitlines()[1] and "12.39" not in cpu
+    gpu = table(A1, [graded("a", 4, "h200x1"), graded("b", 0, "h200x1")])
+    assert "step tok/s" in gpu and "9321" in gpu.splitlines()[1] and "12.39" not in gpu
+
+
 QUICK_PROFILE = """
 [profiles.quick]
 description = "tests: cpu-tiny's Part 1 only, few repeats"

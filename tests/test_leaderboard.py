@@ -119,26 +119,102 @@ def test_site_has_a_table_per_profile_local_links_and_plots(cohorts, tmp_path):
     for link in parser.links:
         assert not re.match(r"^[a-z]+:", link), f"{link} leaves the page's folder"
         assert (site / link).is_file(), f"{link} does not resolve to a file beside the page"
-    assert {"cpu-tiny_a1_throughput.png", "h200x1_a1_throughput.png", "cpu-tiny_a2_benchmarks.png",
-            "cpu-tiny_a2_loss.png"} <= set(parser.links)
+    assert {"h200x1_a1_throughput.png", "cpu-tiny_a2_benchmarks.png", "cpu-tiny_a2_loss.png"} <= set(parser.links)
+    assert "cpu-tiny_a1_throughput.png" not in parser.links  # cpu-tiny scores no whole step: nothing to plot
     for png in site.glob("*.png"):
         assert _pixels(png).std() > 0.01, f"{png.name} is blank"
     markdown = (site / "leaderboard.md").read_text()
     cpu, gpu = (_section(markdown, f"A1: a fast training stack: profile {p}") for p in ("cpu-tiny", "h200x1"))
     assert "graded on profile cpu-tiny, scores out of 40" in cpu and "graded on profile h200x1, scores out of 10" in gpu
     assert cpu.index("fast-team") < cpu.index("slow-team") and gpu.index("fast-team") < gpu.index("slow-team")
-    # h200x1: Part 1 only, and the reference layout's whole step with its MFU, each beside the starter's
+    # h200x1: Part 1 only, and the reference layout's whole step with its MFU, from the starter's to the submission's
     assert "part 2 (EP)" not in gpu and "EP step" not in gpu
-    assert "| fast-team | 10 | 10 | 13.00x | 65,302 (starter 9,660) | 15.28 (starter 2.26) | 6.76x |" in gpu
-    # cpu-tiny: every part and layout it grades, no MFU (none on a CPU)
-    assert "MFU" not in cpu and "part 3 (PP)" in cpu
-    assert ("| fast-team | 25 | 10 | 10 | 0 | 5 | 3.10x | 9,300 (starter 3,000) | 3.10x | 1,240 (starter 400) | 3.10x |"
-            in cpu)
-    assert "| slow-team | 15 | 10 | 0 | 0 | 5 | 1.20x | 3,600 (starter 3,000) | 1.20x | - | - |" in cpu
+    assert "| fast-team | 10 | 10 | 13.00x | 9,660 → 65,302 | 2.26 → 15.28 | 6.76x |" in gpu
+    assert "reference layout whole step: 9,660 → 65,302 tokens/s, MFU 2.26% → 15.28% (starter → fast-team)" in gpu
+    # cpu-tiny: every part it grades, and of the speeds the MoE layer's alone (its whole steps are noise there)
+    assert "part 3 (PP)" in cpu and "step" not in cpu.split("| submission")[1]
+    assert "| fast-team | 25 | 10 | 10 | 0 | 5 | 3.10x |" in cpu
+    assert "| slow-team | 15 | 10 | 0 | 0 | 5 | 1.20x |" in cpu
+    assert "MFU: n/a on CPU" in cpu and "Not scored (CPU timing noise)" in cpu
     a2 = _section(markdown, "A2: pretraining within a token budget: profile cpu-tiny")
     assert "| good-run | 42.5 | yes | 190,000 | 150,000 |" in a2
     assert "| 0.9 ± 0.031 | 0.3 ± 0.02 | 4.1 |" in a2  # every benchmark with its standard error
     assert "| bad-run | 0 | no |" in a2
+
+
+def _env(commit: str, gpus: list[str], date: str) -> dict:
+    return {"kit_commit": commit, "date": date, "machine": {"gpus": gpus}}
+
+
+def test_a_cpu_cohorts_page_shows_no_whole_step_speed(tmp_path):
+    """The demo cohort's whole steps on a CPU read 3.10x and 3.01x for submissions that change
+    nothing of them: noise that cpu-tiny does not score, so no figure of it is published."""
+    cohort = tmp_path / "a1"
+    for name, moe in (("starter-unchanged", 0), ("part1-moe", 10)):
+        results = _a1_cpu(name, moe, 10, 2.05)
+        results["extra_data"]["numbers"].update(reference_tokens_per_s=9300.0, reference_step_speedup=3.10,
+                                                ep_tokens_per_s=1240.0, ep_step_speedup=3.01)
+        _write(cohort / name, results)
+        write_json(cohort / name / "env.json", _env("0123456789abcdef", [], "2026-12-03T10:00:00+00:00"))
+    site = tmp_path / "site"
+    assert _build([cohort], site) == 0
+    page, markdown = (site / "index.html").read_text(), (site / "leaderboard.md").read_text()
+    for published in (page, markdown):
+        for noise in ("3.10", "3.01", "9,300", "1,240", "3,000", "400"):  # the steps' ratios and tokens/s
+            assert noise not in published
+        assert "| part1-moe | 25 | 10 | 10 | 0 | 5 | 2.05x |" in markdown  # the MoE layer: scored, shown
+        assert "MFU: n/a on CPU" in published and "not scored" in published.lower()
+    assert "| starter-unchanged | 15 | 0 | 10 | 0 | 5 | - |" in markdown  # its layer earned nothing: no speed
+    assert "kit commit 0123456789ab · profile cpu-tiny · GPU none · graded 2026-12-03 · grading seed 1" in markdown
+    assert not list(site.glob("*a1_throughput.png"))
+
+
+def test_a_zeroed_part_shows_no_speed_and_no_bar(cohorts, tmp_path):
+    """wrong-fast-moe: its layer is 12x the starter's and wrong, so Part 1 earns nothing: no ratio,
+    no tokens/s, no bar (a speed-up of wrong results is no gain)."""
+    gpu = cohorts[1]
+    wrong = _a1_gpu("wrong-fast-moe", 0, 5.5)
+    wrong["extra_data"]["numbers"]["moe_speedup"] = 12.39
+    _write(gpu / "wrong-fast-moe", wrong)
+    site = tmp_path / "site"
+    assert _build([gpu], site) == 0
+    markdown = (site / "leaderboard.md").read_text()
+    row = next(line for line in markdown.splitlines() if line.startswith("| wrong-fast-moe |"))
+    assert row == "| wrong-fast-moe | 0 | 0 | - | - | - | - |"
+    assert "12.39" not in markdown and "53,130" not in markdown  # 9,660 x 5.5 tokens/s
+    plt = _Pyplot()
+    assert tables.plot_throughput(_entries(gpu), tmp_path / "gpu.png", plt)
+    assert plt.axes[0].ticks == ["fast-team", "slow-team"]
+
+
+def test_the_page_says_where_its_results_come_from(cohorts, tmp_path):
+    gpu = cohorts[1]
+    for name in ("fast-team", "slow-team"):
+        write_json(gpu / name / "env.json", _env("9ea1038f00d", ["NVIDIA H200, 143771 MiB, 570.86.15"],
+                                                 "2026-12-02T11:57:00+00:00"))
+    site = tmp_path / "site"
+    assert _build([gpu], site) == 0
+    line = "kit commit 9ea1038f00d · profile h200x1 · GPU NVIDIA H200 · graded 2026-12-02 · grading seed 7"
+    assert line in (site / "index.html").read_text() and line in (site / "leaderboard.md").read_text()
+
+
+RECORDED = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "2026-12-02-h200-a1-grading-cohort"
+
+
+def test_a_recorded_cohort_folder_is_published_as_it_is(tmp_path):
+    """The kit's record of a GPU cohort (each results.json kept as <name>.json beside its README):
+    read in place, its provenance from the README and the folder's date, its zeroed rows bare."""
+    site = tmp_path / "site"
+    assert _build([RECORDED], site) == 0
+    markdown = (site / "leaderboard.md").read_text()
+    gpu = _section(markdown, "A1: a fast training stack: profile h200x1")
+    assert "kit commit 9ea1038 · profile h200x1 · GPU NVIDIA H200 · graded 2026-12-02 · grading seed 1850118600" in gpu
+    rows = {line.split(" | ")[0][2:]: line for line in gpu.splitlines() if line.startswith("| ") and "---" not in line}
+    assert set(rows) == {"submission", "part1-moe", "part2-ep", "part3-pp", "reference-full", "starter-unchanged",
+                         "wrong-fast-moe"}
+    assert rows["wrong-fast-moe"].endswith("| 0 | 0 | - | - | - | - |")  # 12.39x, wrong: not shown
+    assert re.search(r"\| reference-full \| 10 \| 10 \| 13\.77x \| 2,7\d\d → 16,364 \| 0\.6\d → 3\.83 \| 5\.89x \|",
+                     rows["reference-full"])
 
 
 def test_a_name_graded_twice_on_one_profile_is_refused(cohorts, tmp_path, capsys):
@@ -197,10 +273,14 @@ def test_throughput_plot_has_a_panel_per_timed_layout_and_no_empty_bars(cohorts,
     assert panel.title == "reference layout" and panel.ticks == ["fast-team", "slow-team"]
     assert panel.bars == [("starter (same job)", [pytest.approx(9660.0)] * 2),
                           ("submission", [pytest.approx(65301.6), pytest.approx(14490.0)])]
-    assert tables.plot_throughput(_entries(cohorts[0]), tmp_path / "cpu.png", plt)
+    assert all(h > 0 for a in plt.axes for _, heights in a.bars for h in heights)
+    assert not tables.plot_throughput(_entries(cohorts[0]), tmp_path / "cpu.png", plt)  # cpu-tiny scores no step
+    entries = _entries(cohorts[0])
+    for entry in entries:  # graded under a rubric that scores cpu-tiny's steps
+        entry.results["extra_data"]["scored_speeds"] = ["moe_layer", "moe_step", "ep_step"]
+    assert tables.plot_throughput(entries, tmp_path / "cpu.png", plt)
     assert [a.title for a in plt.axes] == ["reference layout", "EP layout"]
     assert plt.axes[1].ticks == ["fast-team"]  # slow-team's ep step has no figure: no bar, not an empty slot
-    assert all(h > 0 for a in plt.axes for _, heights in a.bars for h in heights)
 
 
 def test_cohort_csv_leaves_parts_a_profile_does_not_grade_blank(cohorts, tmp_path):

@@ -69,6 +69,7 @@ A1 = Assignment(
     rubric_path=RUBRIC_PATH, load_rubric=load_rubric, add_options=add_options, new_job=job_from_args, grade=grade,
     csv_columns=tables.csv_columns, table=tables.table, leaderboard_title="A1: a fast training stack",
     leaderboard_columns=tables.leaderboard_columns, leaderboard_plots=(("a1_throughput.png", tables.plot_throughput),),
+    leaderboard_headline=tables.headline,
     handout=HANDOUT, demo=Demo(build_cohort, profile="cpu-tiny",
               help="the example cohort of examples/a1-cohort/cohort.toml, built from solutions/a1, graded on CPU"),
 )

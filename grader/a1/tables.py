@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from ..leaderboard import Entry, number, plot_profile, save_figure
+from .rubric import SPEED_MEASUREMENTS, load_rubric
 
 PARTS = ("moe", "ep", "pp")
 # The layouts whose whole step scoring.py times against the starter's in the same job, and their names
 LAYOUTS = {"reference": "reference", "ep": "EP", "pp": "PP"}
+# The rubric's name of each layout's whole-step speed, and the part each speed belongs to
+STEP_MEASUREMENTS = {"reference": "moe_step", "ep": "ep_step", "pp": "pp_step"}
+PART_OF = {"moe_layer": "moe", "moe_step": "moe", "ep_step": "ep", "pp_step": "pp"}
 STEP_NUMBERS = ("tokens_per_s", "step_speedup", "mfu")
 CSV_NUMBERS = ("moe_speedup", "expert_traffic_ratio",
                *(f"{layout}_{key}" for layout in LAYOUTS for key in STEP_NUMBERS))
@@ -20,29 +25,63 @@ def part_score(results: dict, part: str) -> float | None:
     return sum(t["score"] for t in tests) if any(t["max_score"] for t in tests) else None
 
 
-def csv_columns(results: dict) -> dict:
-    """Each part's score (blank where the profile does not grade it), the measurements, the
-    profile and seed of the job."""
+@functools.cache
+def _kit_profiles() -> dict:
+    return load_rubric().profiles
+
+
+def scored_speeds(results: dict) -> list[str]:
+    """The speeds the job's profile scored: as the grader recorded them, or (results graded before
+    it did) as the kit's rubric scores that profile."""
     extra = results["extra_data"]
-    numbers = extra.get("numbers", {})
+    if "scored_speeds" in extra:
+        return extra["scored_speeds"]
+    profile = _kit_profiles().get(extra.get("profile"))
+    return profile.scored_speeds if profile else list(SPEED_MEASUREMENTS)
+
+
+def shown(results: dict, measurement: str, key: str) -> float | None:
+    """A speed figure (extra_data.numbers[key], of `measurement`) where it may be published as a
+    gain: the profile scores the measurement and its part earned points (a part wrong, failed or
+    no faster than the starter shows none), else None."""
+    if measurement not in scored_speeds(results) or not part_score(results, PART_OF[measurement]):
+        return None
+    return number(results, key)
+
+
+def _speed_key(key: str) -> str | None:
+    """The measurement a CSV number is a figure of (None: not a speed)."""
+    if key == "moe_speedup":
+        return "moe_layer"
+    return next((STEP_MEASUREMENTS[layout] for layout in LAYOUTS if key.startswith(f"{layout}_")), None)
+
+
+def csv_columns(results: dict) -> dict:
+    """Each part's score (blank where the profile does not grade it), the measurements (a speed
+    only where it is `shown`: every raw figure stays in results.json), the profile and seed of the job."""
+    extra = results["extra_data"]
     scores = {part: part_score(results, part) for part in PARTS}
     row = {f"{part}_score": "" if score is None else score for part, score in scores.items()}
-    row.update({k: (round(numbers[k], 3) if numbers.get(k) is not None else "") for k in CSV_NUMBERS})
+    for key in CSV_NUMBERS:
+        value = number(results, key) if _speed_key(key) is None else shown(results, _speed_key(key), key)
+        row[key] = round(value, 3) if value is not None else ""
     return {**row, "profile": extra["profile"], "seed": extra["seed"]}
 
 
 def table(rows: list[dict]) -> list[list[str]]:
-    header = ["submission", "score", "part1", "part2", "part3", "moe x", "step tok/s", "note"]
+    """The terminal table; the whole step's tokens/s only where some row shows it (never on CPU)."""
+    step = any(row["reference_tokens_per_s"] != "" for row in rows)
+    header = ["submission", "score", "part1", "part2", "part3", "moe x", *(["step tok/s"] * step), "note"]
     return [header] + [[row["name"], f"{row['score']:g}/{row['max_score']:g}",
                         *(f"{row[f'{p}_score']:g}" if row[f"{p}_score"] != "" else "-" for p in PARTS),
                         f"{row['moe_speedup']}" if row["moe_speedup"] != "" else "-",
-                        f"{row['reference_tokens_per_s']:.0f}" if row["reference_tokens_per_s"] != "" else "-",
+                        *([f"{row['reference_tokens_per_s']:.0f}" if row["reference_tokens_per_s"] != "" else "-"]
+                          * step),
                         row["note"][:60]] for row in rows]
 
 
 # -- the leaderboard ---------------------------------------------------------------------------
-def _percent(results: dict, key: str) -> float | None:
-    value = number(results, key)
+def _percent(value: float | None) -> float | None:
     return None if value is None else 100 * value
 
 
@@ -53,21 +92,24 @@ def starter_figure(results: dict, layout: str, key: str) -> float | None:
     return value / speedup if value is not None and speedup else None
 
 
-def _against_starter(layout: str, key: str, pattern: str, scale: float = 1.0):
-    """A cell's text: the submission's figure, then the starter's in the same job."""
-    def text(value, results):
-        starter = starter_figure(results, layout, key)
-        return pattern.format(value) + (f" (starter {pattern.format(scale * starter)})" if starter else "")
-    return text
+def _arrow(starter: float | None, value: float, pattern: str, scale: float = 1.0) -> str:
+    """"starter \u2192 value" (the value alone where the starter's figure is missing)."""
+    return (f"{pattern.format(scale * starter)} \u2192 " if starter else "") + pattern.format(value)
+
+
+def _from_starter(layout: str, key: str, pattern: str, scale: float = 1.0):
+    """A cell's text: the starter's figure in the same job, then the submission's."""
+    return lambda value, results: _arrow(starter_figure(results, layout, key), value, pattern, scale)
 
 
 def _layout_columns(layout: str, name: str) -> list[tuple]:
-    """A layout's whole step: tokens/s and MFU, each beside the starter's, and the speedup."""
-    return [(f"{name} step tokens/s", lambda r: number(r, f"{layout}_tokens_per_s"),
-             _against_starter(layout, "tokens_per_s", "{:,.0f}")),
-            (f"{name} step MFU %", lambda r: _percent(r, f"{layout}_mfu"),
-             _against_starter(layout, "mfu", "{:.2f}", 100)),
-            (f"{name} step vs starter", lambda r: number(r, f"{layout}_step_speedup"), "{:.2f}x")]
+    """A layout's whole step, where shown: tokens/s and MFU, starter -> submission, and the speedup."""
+    measurement = STEP_MEASUREMENTS[layout]
+    return [(f"{name} step tokens/s", lambda r: shown(r, measurement, f"{layout}_tokens_per_s"),
+             _from_starter(layout, "tokens_per_s", "{:,.0f}")),
+            (f"{name} step MFU %", lambda r: _percent(shown(r, measurement, f"{layout}_mfu")),
+             _from_starter(layout, "mfu", "{:.2f}", 100)),
+            (f"{name} step vs starter", lambda r: shown(r, measurement, f"{layout}_step_speedup"), "{:.2f}x")]
 
 
 LEADERBOARD_COLUMNS = [  # (header, how to read it from a results.json, format)
@@ -76,7 +118,7 @@ LEADERBOARD_COLUMNS = [  # (header, how to read it from a results.json, format)
     ("part 2 (EP)", lambda r: part_score(r, "ep"), "{:g}"),
     ("part 3 (PP)", lambda r: part_score(r, "pp"), "{:g}"),
     ("notebook", lambda r: part_score(r, "notebook"), "{:g}"),
-    ("MoE layer vs starter", lambda r: number(r, "moe_speedup"), "{:.2f}x"),
+    ("MoE layer vs starter", lambda r: shown(r, "moe_layer", "moe_speedup"), "{:.2f}x"),
     *(column for layout, name in LAYOUTS.items() for column in _layout_columns(layout, name)),
 ]
 
@@ -85,14 +127,61 @@ def leaderboard_columns(entries: list[Entry]) -> list[tuple]:
     return LEADERBOARD_COLUMNS
 
 
+def _device(entry: Entry) -> str | None:
+    """"cpu" or "cuda": the job's profile as env.json recorded it, else the kit's profile of that name."""
+    device = entry.env.get("profile", {}).get("device")
+    kit = _kit_profiles().get(entry.profile)
+    return device or (kit.device if kit else None)
+
+
+MEASUREMENT_NAMES = {"moe_layer": "the MoE layer", "moe_step": "the reference layout's whole step",
+                     "ep_step": "the EP layout's whole step", "pp_step": "the PP layout's whole step"}
+
+
+def _fastest(entries: list[Entry], measurement: str, key: str) -> tuple[Entry, float] | None:
+    shown_by = [(entry, value) for entry in entries if (value := shown(entry.results, measurement, key)) is not None]
+    return max(shown_by, key=lambda pair: pair[1]) if shown_by else None
+
+
+def headline(entries: list[Entry]) -> list[str]:
+    """Per grading job (its seed): the fastest shown MoE layer, and for each whole step the profile
+    scores, tokens/s and MFU from the starter's in that job to the fastest submission's; then what
+    the profile does not score (shown nowhere)."""
+    on_cpu = any(_device(entry) == "cpu" for entry in entries)
+    lines = []
+    for seed in dict.fromkeys(entry.results["extra_data"].get("seed") for entry in entries):
+        job = [entry for entry in entries if entry.results["extra_data"].get("seed") == seed]
+        figures = []
+        if layer := _fastest(job, "moe_layer", "moe_speedup"):
+            figures.append(f"MoE layer: {layer[1]:.2f}x the starter ({layer[0].name})")
+        for layout, name in LAYOUTS.items():
+            measurement = STEP_MEASUREMENTS[layout]
+            if not (fastest := _fastest(job, measurement, f"{layout}_tokens_per_s")):
+                continue
+            entry, tokens = fastest
+            text = (f"{name} layout whole step: "
+                    f"{_arrow(starter_figure(entry.results, layout, 'tokens_per_s'), tokens, '{:,.0f}')} tokens/s")
+            if (mfu := shown(entry.results, measurement, f"{layout}_mfu")) is not None:
+                text += f", MFU {_arrow(starter_figure(entry.results, layout, 'mfu'), 100 * mfu, '{:.2f}%', 100)}"
+            figures.append(f"{text} (starter \u2192 {entry.name})")
+        if on_cpu:
+            figures.append("MFU: n/a on CPU")
+        lines.append(f"Grading seed {seed}: " + ("; ".join(figures) or "no submission earned a speed"))
+    unscored = [m for m in SPEED_MEASUREMENTS if any(m not in scored_speeds(e.results) for e in entries)]
+    if unscored:
+        why = "CPU timing noise" if on_cpu else "the rubric's scored_speeds leaves them out"
+        lines.append(f"Not scored ({why}), so shown nowhere: {', '.join(MEASUREMENT_NAMES[m] for m in unscored)}.")
+    return lines
+
+
 def plot_throughput(entries: list[Entry], path: Path, plt) -> bool:
-    """Tokens/s of a whole step, one panel per layout the profile times: each submission beside
-    the unpatched starter in its job. A submission with no figure for a layout (its step failed
-    or was wrong) has no bars there."""
+    """Tokens/s of a whole step, one panel per layout whose step the profile scores: each
+    submission beside the unpatched starter in its job. A submission with no figure shown for a
+    layout (not scored, its part earned nothing, its step failed or was wrong) has no bars there."""
     panels = {}
     for layout, name in LAYOUTS.items():
         bars = [(entry.name, starter_figure(entry.results, layout, "tokens_per_s"),
-                 number(entry.results, f"{layout}_tokens_per_s")) for entry in entries]
+                 shown(entry.results, STEP_MEASUREMENTS[layout], f"{layout}_tokens_per_s")) for entry in entries]
         bars = [bar for bar in bars if bar[2] is not None]
         if bars:
             panels[name] = bars
