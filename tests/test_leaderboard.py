@@ -243,6 +243,9 @@ class _Axes:
     def set_ylabel(self, label):
         pass
 
+    def margins(self, **room):
+        pass
+
     def legend(self, **style):
         pass
 

@@ -197,5 +197,6 @@ def plot_throughput(entries: list[Entry], path: Path, plt) -> bool:
         ax.set_xticks(list(where), [submission for submission, _, _ in bars], rotation=20, ha="right")
         ax.set_title(f"{name} layout", fontsize="medium")
         ax.set_ylabel("tokens / s")
-        ax.legend(fontsize="small")
+        ax.margins(y=0.25)  # room above the tallest bar for the legend
+        ax.legend(fontsize="small", loc="upper left")
     return save_figure(plt, fig, path, f"A1 whole-step throughput, profile {plot_profile(entries)}")
