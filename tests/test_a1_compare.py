@@ -491,6 +491,17 @@ def test_a_part_whose_step_is_not_scored_has_a_speed_test_worth_nothing():
     assert ctx.leaderboard == []
 
 
+def test_a_part_that_earned_nothing_puts_no_speed_on_the_gradescope_leaderboard(profile):
+    """wrong-fast-moe: a layer 8x the starter's, a step that trains differently: Part 1 is zeroed,
+    and its 8x goes on no leaderboard (the numbers stay in extra_data); a right one's does."""
+    n_moe = profile.moe["warmup"] + profile.moe["repeats"]
+    for step, earned in ((wrong_step(profile), False), (honest_step(profile, 1.0), True)):
+        ctx = context(profile, {"moe": run(workloads(n_moe), 1 / 8), "reference": step})
+        scoring.grade_steps(ctx, [scoring.grade_moe])
+        assert ctx.measurements["moe_speedup"] == pytest.approx(8.0)
+        assert ("Part 1: MoE speedup" in [e["name"] for e in ctx.leaderboard]) == earned, ctx.leaderboard
+
+
 @pytest.mark.parametrize("scored", [["moe_layer", "warp_step"], ["moe_layer", "moe_step"]],
                          ids=["unknown", "no-range"])
 def test_a_scored_speed_needs_a_known_name_and_a_range(scored):

@@ -327,6 +327,16 @@ def model_flops_utilization(profile: A1Profile, tokens_per_s: float, n_gpus: int
     return mfu(tokens_per_s, report.matmul_flops_per_token, n_gpus=n_gpus)
 
 
+def grade_steps(ctx: Context, steps: list) -> None:
+    """Each grading step in turn. A step (a part) whose tests earned nothing takes its entries off
+    the Gradescope leaderboard: wrong or slow results show no speed (extra_data keeps the numbers)."""
+    for step in steps:
+        shown, tests = len(ctx.leaderboard), len(ctx.tests)
+        step(ctx)
+        if not any(t["score"] for t in ctx.tests[tests:]):
+            del ctx.leaderboard[shown:]
+
+
 def grade(job: A1Job, path: Path, work: Path, logs: Path) -> Graded:
     """Intake, the patched tree in `work`, the submission's sessions, then every grading step."""
     submission = load_submission(path, work)
@@ -343,12 +353,7 @@ def grade(job: A1Job, path: Path, work: Path, logs: Path) -> Graded:
         why = starter.error if starter else "it did not start"
         raise GraderError(f"the unpatched starter's MoE failed beside {submission.name} ({why})")
     ctx = Context(job, submission, runs, logs)
-    for step in STEPS:
-        if job.notebooks or step is not grade_notebook:
-            shown, tests = len(ctx.leaderboard), len(ctx.tests)
-            step(ctx)
-            if not any(t["score"] for t in ctx.tests[tests:]):
-                del ctx.leaderboard[shown:]  # a part that earned nothing shows no speed (extra_data keeps it)
+    grade_steps(ctx, [step for step in STEPS if job.notebooks or step is not grade_notebook])
     return Graded(ctx.tests, ctx.leaderboard, ctx.measurements, ctx.failures,
                   extra_data={"changed_files": submission.changed_files,
                               "scored_speeds": list(job.profile.scored_speeds), **ctx.records})
