@@ -481,14 +481,20 @@ def test_cpu_profiles_score_the_layer_alone_and_tell_no_whole_step_speed():
 
 
 def test_a_part_whose_step_is_not_scored_has_a_speed_test_worth_nothing():
+    """cpu-tiny's Part 2 is worth 7 (its ep step is not scored), whether the run is right, wrong
+    or failed: every submission of a profile is graded out of the same points."""
     tiny = load_rubric().profile("cpu-tiny")
     n = tiny.warmup + tiny.repeats
-    ctx = context(tiny, {"ep": run(steps(n), 0.1, traffic=2**20)})  # 20x the starter's ep step
-    scoring.grade_ep(ctx)
-    assert [(t["score"], t["max_score"]) for t in ctx.tests] == [(3.0, 3.0), (4.0, 4.0), (0, 0)]
-    assert ctx.tests[2]["output"] == "not scored on profile cpu-tiny (CPU timing noise)"
-    assert not any(re.search(r"\d\.\d\dx", t["output"]) for t in ctx.tests)
-    assert ctx.leaderboard == []
+    wrong = steps(n)
+    wrong[0]["loss"] *= 2
+    for ep, earned in ((run(steps(n), 0.1, traffic=2**20), [3.0, 4.0, 0]),  # 20x the starter's ep step
+                       (run(wrong, 0.1, traffic=2**20), [0, 0, 0]), (SessionResult(error="boom"), [0, 0, 0])):
+        ctx = context(tiny, {"ep": ep})
+        scoring.grade_ep(ctx)
+        assert [(t["score"], t["max_score"]) for t in ctx.tests] == list(zip(earned, [3.0, 4.0, 0]))
+        assert ctx.tests[2]["output"] == "not scored on profile cpu-tiny (CPU timing noise)"
+        assert not any(re.search(r"\d\.\d\dx", t["output"]) for t in ctx.tests)
+        assert ctx.leaderboard == []
 
 
 def test_a_part_that_earned_nothing_puts_no_speed_on_the_gradescope_leaderboard(profile):

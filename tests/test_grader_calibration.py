@@ -61,11 +61,9 @@ def graded(tmp_path_factory):
         job = new_job(rubric, "cpu-tiny", out / "work", out / "starter-logs", seed=1234)
         build_cohort(out / "cohort")
         results = grade_cohort(A1, out / "cohort", job, out / "results", progress=False)
-    # each part's points on cpu-tiny: the speed of a part none of whose measurements it scores is worth 0
-    timed = {"moe": ("moe_layer", "moe_step"), "ep": ("ep_step",), "pp": ("pp_step",)}
-    scored = rubric.profile("cpu-tiny").scored_speeds
-    full = {key: part.points - (0 if any(m in scored for m in timed[key]) else part.speed)
-            for key, part in rubric.parts.items()}
+    # each part's points on cpu-tiny: a part's speed is worth 0 where the profile scores none of it
+    tiny = rubric.profile("cpu-tiny")
+    full = {key: part.points - (0 if tiny.scores_speed_of(key) else part.speed) for key, part in rubric.parts.items()}
     return {r["extra_data"]["submission"]: r for r in results}, full, out, started
 
 

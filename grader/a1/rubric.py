@@ -12,8 +12,9 @@ from ..rubric import KIT_ROOT, Profile, Rubric, read_toml
 from .compare import MOMENTS_READINGS
 
 RUBRIC_PATH = KIT_ROOT / "a1_infra" / "rubric.toml"
-# What a profile may time against the starter: Part 1's layer, and the whole step of each layout
-SPEED_MEASUREMENTS = ("moe_layer", "moe_step", "ep_step", "pp_step")
+# What a profile may time against the starter (Part 1's layer, the whole step of each layout), and
+# the part whose speed points each one feeds
+SPEED_MEASUREMENTS = {"moe_layer": "moe", "moe_step": "moe", "ep_step": "ep", "pp_step": "pp"}
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,10 @@ class A1Profile(Profile):
         if measurement not in self.scored_speeds:
             return None
         return speed_share(speedup, *self.speed[measurement])
+
+    def scores_speed_of(self, part: str) -> bool:
+        """Whether the profile scores any speed of the part (else its speed test is worth 0 here)."""
+        return any(SPEED_MEASUREMENTS[m] == part for m in self.scored_speeds)
 
     @property
     def speed_not_scored(self) -> str:

@@ -52,26 +52,32 @@ def _not_on_profile(ctx: Context, part: Part, layout: str) -> None:
     ctx.tests += [dict(t, max_score=0, status="passed") for t in part.tests((0, 0, 0), (note,) * 3)]
 
 
+def _part_tests(ctx: Context, part: Part, points: tuple[float, float, float],
+                outputs: tuple[str, str, str]) -> list[dict]:
+    """The part's tests as the profile scores them: where it scores none of the part's speeds
+    (scored_speeds), the speed test is worth 0 and names no timing, whatever else happened."""
+    profile = ctx.job.profile
+    if profile.scores_speed_of(part.key):
+        return part.tests(points, outputs)
+    return [*dataclasses.replace(part, speed=0).tests(points, outputs),
+            test_entry(f"{part.title}: speed", 0, 0, profile.speed_not_scored, part.key)]
+
+
 def _award(ctx: Context, part: Part, correct: bool, fixed: bool, speed: float | None, checked: str, feature: str,
            timing: str, not_fixed: str) -> None:
     """The part's rule: wrong zeroes it; correct earns correctness and feature points once the
-    feature check shows the slow path gone, whatever the speed; the speed share only then. `speed`
-    None: the profile scores no speed of the part (scored_speeds), so its speed test is worth 0 and
-    names no timing."""
-    unscored = speed is None
-    if unscored:
-        part, speed = dataclasses.replace(part, speed=0), 0.0
+    feature check shows the slow path gone, whatever the speed; the speed share only then (None:
+    the profile scores no speed of the part)."""
     if not correct:
-        ctx.tests += part.tests((0, 0, 0), (f"wrong: {checked}; the part earns nothing until it matches",
-                                            f"zeroed (wrong results): {feature}", f"zeroed (wrong results): {timing}"))
+        ctx.tests += _part_tests(ctx, part, (0, 0, 0), (f"wrong: {checked}; the part earns nothing until it matches",
+                                                        f"zeroed (wrong results): {feature}",
+                                                        f"zeroed (wrong results): {timing}"))
     elif not fixed:
-        ctx.tests += part.tests((0, 0, 0), (f"matches, but {not_fixed}: {checked}", feature,
-                                            f"not scored until the slow path is gone: {timing}"))
+        ctx.tests += _part_tests(ctx, part, (0, 0, 0), (f"matches, but {not_fixed}: {checked}", feature,
+                                                        f"not scored until the slow path is gone: {timing}"))
     else:
-        ctx.tests += part.tests((part.correctness, part.feature, part.speed * speed),
-                                (f"matches: {checked}", feature, timing))
-    if unscored:
-        ctx.tests.append(test_entry(f"{part.title}: speed", 0, 0, ctx.job.profile.speed_not_scored, part.key))
+        ctx.tests += _part_tests(ctx, part, (part.correctness, part.feature, part.speed * (speed or 0.0)),
+                                 (f"matches: {checked}", feature, timing))
 
 
 def _range(profile: A1Profile, measurement: str) -> str:
@@ -87,7 +93,7 @@ def grade_moe(ctx: Context) -> None:
     ref, run = job.reference, ctx.runs["moe"]
     if not run.ok:
         reason = f"the MoE run failed: {run.error}"
-        ctx.tests += part.tests((0, 0, 0), (reason,) * 3)
+        ctx.tests += _part_tests(ctx, part, (0, 0, 0), (reason,) * 3)
         return
     error = moe_error(ref.moe_exact.digests, run.digests)
     warmup = profile.moe["warmup"]
@@ -199,7 +205,7 @@ def grade_ep(ctx: Context) -> None:
     ref, run = job.reference, ctx.runs["ep"]
     if not run.ok:
         reason = f"the ep={profile.layouts['ep']['ep']} run failed: {run.error}"
-        ctx.tests += part.tests((0, 0, 0), (reason,) * 3)
+        ctx.tests += _part_tests(ctx, part, (0, 0, 0), (reason,) * 3)
         return
     error = loss_error(ref.ep.digests, run.digests)  # the starter's ep layout, on the same seeds
     expert_share = expert_parameter_share(profile)
@@ -232,7 +238,7 @@ def grade_pp(ctx: Context) -> None:
     layout = profile.layouts["pp"]
     if not run.ok:
         reason = f"pp={layout['pp']} does not train: {run.error}"
-        ctx.tests += part.tests((0, 0, 0), (reason,) * 3)
+        ctx.tests += _part_tests(ctx, part, (0, 0, 0), (reason,) * 3)
         return
     one_rank = ref.pp_train  # the starter on one rank, on the pp layout's seeds and model
     error = loss_error(one_rank.digests, run.digests)

@@ -11,9 +11,8 @@ from .rubric import SPEED_MEASUREMENTS, load_rubric
 PARTS = ("moe", "ep", "pp")
 # The layouts whose whole step scoring.py times against the starter's in the same job, and their names
 LAYOUTS = {"reference": "reference", "ep": "EP", "pp": "PP"}
-# The rubric's name of each layout's whole-step speed, and the part each speed belongs to
+# The rubric's name of each layout's whole-step speed
 STEP_MEASUREMENTS = {"reference": "moe_step", "ep": "ep_step", "pp": "pp_step"}
-PART_OF = {"moe_layer": "moe", "moe_step": "moe", "ep_step": "ep", "pp_step": "pp"}
 STEP_NUMBERS = ("tokens_per_s", "step_speedup", "mfu")
 CSV_NUMBERS = ("moe_speedup", "expert_traffic_ratio",
                *(f"{layout}_{key}" for layout in LAYOUTS for key in STEP_NUMBERS))
@@ -44,7 +43,7 @@ def shown(results: dict, measurement: str, key: str) -> float | None:
     """A speed figure (extra_data.numbers[key], of `measurement`) where it may be published as a
     gain: the profile scores the measurement and its part earned points (a part wrong, failed or
     no faster than the starter shows none), else None."""
-    if measurement not in scored_speeds(results) or not part_score(results, PART_OF[measurement]):
+    if measurement not in scored_speeds(results) or not part_score(results, SPEED_MEASUREMENTS[measurement]):
         return None
     return number(results, key)
 
