@@ -10,10 +10,11 @@ anywhere), the plots beside it as PNG files, and `leaderboard.md` with the same 
 matplotlib; without it the page says so and keeps the tables.
 
 Each assignment gets a table and plots per grading profile: scores and speeds of different
-machines (cpu-tiny's 40 points beside h200x1's 10, a CPU's tokens/s beside an H200's) are never
-ranked together. A column that no submission of a profile has (MFU on CPU, a layout the profile
-does not grade, a speed the profile does not score) is left out of that profile's table. Each
-section says where its results come from: kit commit, profile, GPU, date and grading seed.
+machines (cpu-tiny's three parts and notebook beside h200x1's Part 1 alone, a CPU's MoE layer
+beside an H200's) are never ranked together. A column that no submission of a profile has (MFU
+on CPU, a layout the profile does not grade, a speed the profile does not score) is left out of
+that profile's table. Each section says where its results come from: kit commit, profile, GPU,
+date and grading seed.
 """
 
 from __future__ import annotations
@@ -263,7 +264,8 @@ def build_site(folders: list[Path], out: Path, assignments: list[Assignment]) ->
     entries = read_cohorts(folders)
     out.mkdir(parents=True, exist_ok=True)
     plt = pyplot()
-    sections, markdown = [], ["# OneNode leaderboard", ""]
+    built = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    sections, markdown = [], ["# OneNode leaderboard", "", f"Page built {built}.", ""]
     e = html.escape
     for assignment in assignments:
         graded = [entry for entry in entries if entry.assignment == assignment.label]
@@ -288,8 +290,6 @@ def build_site(folders: list[Path], out: Path, assignments: list[Assignment]) ->
                             + (f"<ul class='headline'>{headline}</ul>" if headline else "") + f"{table}{images}")
             markdown += [f"## {title}", "", origin, "", note, "", *(f"- {line}" for line in lines),
                          *([""] if lines else []), markdown_table(rows, columns), ""]
-    built = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    markdown[1:1] = ["", f"Page built {built}."]
     page = out / "index.html"
     page.write_text(f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>OneNode leaderboard</title>

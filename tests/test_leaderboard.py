@@ -39,7 +39,7 @@ def _write(folder: Path, results: dict, metrics: list[dict] | None = None) -> No
 
 
 def _a1_cpu(name: str, moe: float, ep: float, speed: float) -> dict:
-    """cpu-tiny grades all three parts and the notebook (40 points); slow-team's ep step was wrong."""
+    """cpu-tiny grades all three parts and the notebook (10 points each here); slow-team's ep step was wrong."""
     tests = [_test("Part 1", moe, 10, "moe"), _test("Part 2", ep, 10, "ep"), _test("Part 3", 0, 10, "pp"),
              _test("Notebook", 5, 10, "notebook")]
     numbers = {"moe_speedup": speed, "reference_tokens_per_s": 3000.0 * speed, "reference_step_speedup": speed}
