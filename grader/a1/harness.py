@@ -10,7 +10,10 @@ Protocol, one JSON object per line. The parent first sends the child's setup (`w
 `threads`, `device`, `tree`); the harness starts `world` ranks (it never imports torch itself).
 Then sessions, one after another: `{"session": spec}` is answered `{"ready": info}` or
 `{"error": ...}`; for each workload the parent starts its clock, sends `{"seed": s}`, and stops
-the clock on the answer `{"digest": ...}`: the inputs exist only from that moment. Closing
+the clock on the answer `{"digest": ...}`: the inputs exist only from that moment. A training
+session is then asked `{"evidence": true}` and answers `{"evidence": ...}` (the optimizer's
+moments after the step), on a clock of its own: the step's time holds no evidence, and what the
+evidence takes beyond the starter's is charged to the step (no work can hide there). Closing
 stdin ends the child. After an error the parent discards the child. `{"release": true}` drops
 the session (and its GPU memory) and is answered `{"released": true}`: the starter's child waits
 so between the submissions it is timed beside. A submission's child serves one session only
@@ -61,14 +64,19 @@ def _config(spec: dict, overrides: dict):
 
 
 def _build(spec: dict, config, device, rank: int = 0):
-    """The model with the reference weights, and those weights in the starter's layout: the
-    starter saves them (rank 0), a submission loads them through `adapt_state_dict`, so stacked
-    experts get exactly the starter's values."""
-    import torch
-
+    """The model with the reference weights (`_load_reference`), built in the spec's dtype."""
     from onenode.model import build_model
 
     model = build_model(config, seed=spec["init_seed"], device=device, dtype=_dtype(spec["dtype"]))
+    return model, _load_reference(spec, model, rank)
+
+
+def _load_reference(spec: dict, model, rank: int = 0) -> dict:
+    """Give `model` the reference weights, and return them in the starter's layout: the starter
+    saves its own (rank 0), a submission loads them through `adapt_state_dict`, so stacked experts
+    get exactly the starter's values."""
+    import torch
+
     if spec.get("weights_in"):
         from onenode.model.hf_io import adapt_state_dict
 
@@ -78,7 +86,7 @@ def _build(spec: dict, config, device, rank: int = 0):
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if spec.get("weights_out") and rank == 0:
         torch.save(state, spec["weights_out"])
-    return model, state
+    return state
 
 
 class ExpertSlots:
@@ -362,7 +370,10 @@ def gathered(value) -> list:
 
 
 class TrainSession:
-    """Parts 2 and 3: optimizer steps of the whole model in one parallel layout."""
+    """Parts 2 and 3 (and Part 1's whole step): optimizer steps of the whole model in one parallel
+    layout, assembled by the submission's own `onenode.train.assembly.assemble` from the recipe the
+    grader sends (the profile's, which its handout's `onenode bench` command runs too): the step
+    timed is the step a student benches. The batches are the grader's, drawn from its seeds."""
 
     def __init__(self, spec: dict, rank: int, counter: CollectiveCounter):
         import torch
@@ -376,21 +387,21 @@ class TrainSession:
             self.device = torch.device("cuda", rank)
         else:
             self.device = torch.device("cpu")
-        self.config = _config(spec, spec["overrides"])
-        model, state = _build(spec, self.config, self.device, rank)
-        if self.world > 1:
-            from onenode.parallel import ParallelDims, parallelize
+        from onenode.train.assembly import assemble
+        from onenode.train.recipe import from_dict
 
-            model = parallelize(model, ParallelDims(**layout))
-        from onenode.train.step import build_optimizer
-
-        self.model = model
-        self.optimizer = build_optimizer(model)
+        recipe = from_dict(spec["recipe"])
+        state = {}
+        self.run = assemble(recipe, device=self.device,
+                            init_weights=lambda model: state.update(_load_reference(spec, model, rank)))
+        self.config = self.run.config
+        self.model, self.optimizer = self.run.parallel, self.run.optimizer
         with counter.paused():  # reading sharded weights whole is the grader's traffic, not the layout's
-            self.moments = OptimizerMoments(model, state, self.config, self.world)
+            self.moments = OptimizerMoments(self.model, state, self.config, self.world)
 
     def info(self) -> dict:
-        """Bytes of parameters this rank holds (shards, not the full tensors)."""
+        """Bytes of parameters this rank holds (shards, not the full tensors), and how the recipe
+        was laid out."""
         from torch.distributed.tensor import DTensor
 
         held = 0
@@ -398,13 +409,13 @@ class TrainSession:
         for p in params:
             local = p.to_local() if isinstance(p, DTensor) else p
             held += local.numel() * local.element_size()
-        return {"param_bytes": held}
+        return {"param_bytes": held, "recipe": self.run.recipe.to_dict()}
 
     def step(self, seed: int) -> dict:
-        """One optimizer step on this rank's share of a batch made from `seed` on every rank."""
+        """One optimizer step on this rank's share of a batch made from `seed` on every rank: the
+        timed work. Its loss and gradient norm come back with it; the evidence of what it did, in
+        `evidence`, which the grader asks for after it has stopped the clock."""
         import torch
-
-        from onenode.train.step import train_step
 
         gen = torch.Generator("cpu").manual_seed(seed)
         tokens = torch.randint(0, self.config.vocab_size, (self.spec["batch"], self.spec["seq_len"] + 1), generator=gen)
@@ -414,7 +425,7 @@ class TrainSession:
         shard = tokens[dp_rank * rows:(dp_rank + 1) * rows].to(self.device)
         self.counter.take()
         inputs, labels = shard[:, :-1].contiguous(), shard[:, 1:].contiguous()
-        out = train_step(self.model, self.optimizer, inputs, labels, grad_clip=1.0)
+        out = self.run.step(inputs, labels)
         moved = self.counter.take()
         loss = out["loss"]
         if self.world > 1:  # the mean over the ranks that computed a loss (last pipeline stage)
@@ -422,9 +433,15 @@ class TrainSession:
 
             with self.counter.paused():
                 loss = mean_over_ranks(loss, self.device)
+        return {"loss": loss, "grad_norm": out.get("grad_norm"), "bytes": moved}
+
+    def evidence(self) -> dict:
+        """The optimizer's first moments after the last step (`OptimizerMoments`), and what the
+        layout noted (CUDA graphs a tree could not use): read once the grader has stopped the clock;
+        whatever this takes beyond the starter's reading is charged to the step (grader/a1/scoring.py)."""
         with self.counter.paused():
             moments = self.moments.digest(self.optimizer)
-        return {"loss": loss, "grad_norm": out.get("grad_norm"), "bytes": moved, "moments": moments}
+        return {"moments": moments, "note": self.run.cuda_graph_note()}
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -463,6 +480,8 @@ def _rank_main(config: dict, rank: int, store: str, conn) -> None:
                 session = MoeSession(spec) if spec["kind"] == "moe" else TrainSession(spec, rank, counter)
                 _check_onenode(config["tree"])  # nothing swapped in while building
                 conn.send({"ready": session.info()})
+            elif "evidence" in msg:
+                conn.send({"evidence": session.evidence()})
             else:
                 conn.send({"digest": session.step(int(msg["seed"]))})
         except BaseException as e:
@@ -474,7 +493,7 @@ def _rank_main(config: dict, rank: int, store: str, conn) -> None:
 def _merge(replies: list[dict]) -> dict:
     """Rank 0's answer, with the largest per-rank byte counts (every rank should agree)."""
     first = dict(replies[0])
-    key = "ready" if "ready" in first else "digest"
+    key = next(k for k in ("ready", "digest", "evidence") if k in first)
     merged = dict(first[key])
     if "param_bytes" in merged:
         merged["param_bytes"] = max(r[key]["param_bytes"] for r in replies)

@@ -117,8 +117,9 @@ class A1Job(Job):
         big = p.pipeline_memory is not None and seeds == "pp"
         weights = "model-pp.pt" if big else "model.pt"
         save = save and (big or name == "reference")
+        overrides = {**p.overrides, **p.pipeline_memory["overrides"]} if big else p.overrides
         spec = self.spec("train", layout=p.layouts[layout], **{"weights_out" if save else "weights_in": weights},
-                         **({"overrides": {**p.overrides, **p.pipeline_memory["overrides"]}} if big else {}))
+                         overrides=overrides, recipe=p.recipe(p.layouts[layout], self.init_seed, overrides))
         world = p.layouts[layout]["world"]
         return Session(name, spec, self.seeds[seeds], world=world, reads=() if save else (weights,))
 

@@ -127,9 +127,10 @@ def _step_numbers(ctx: Context, run: SessionResult, starter: SessionResult, layo
     and a line for the feedback; `measurement` names its speed range (`<layout_name>_step`)."""
     profile = ctx.job.profile
     tokens = profile.batch * profile.seq_len
-    seconds = _median_timed(run, profile.warmup)
+    seconds = _median_timed(run, profile.warmup, starter)
     tokens_per_s = tokens / seconds
     ratio = _median_timed(starter, profile.warmup) / seconds
+    ctx.measurements[f"{layout_name}_evidence_charged_s"] = seconds - _median_timed(run, profile.warmup)
     ctx.measurements.update({f"{layout_name}_tokens_per_s": tokens_per_s, f"{layout_name}_step_speedup": ratio})
     ctx.leaderboard += [{"name": f"Step tokens/s ({layout_name} layout)", "value": round(tokens_per_s, 1)},
                         {"name": f"Step speedup vs starter ({layout_name})", "value": round(ratio, 2)}]
@@ -142,10 +143,24 @@ def _step_numbers(ctx: Context, run: SessionResult, starter: SessionResult, layo
     return ratio, f"{line} ({_range(profile, measurement or f'{layout_name}_step')})"
 
 
-def _traffic(run: SessionResult, warmup: int) -> float:
-    """Median bytes per timed step the grader saw move between the ranks (inf: not observable)."""
+def _traffic(run: SessionResult, warmup: int, starter: SessionResult | None = None) -> float:
+    """Median bytes per timed step the grader saw move between the ranks (inf: not observable);
+    against `starter` (the same layout), each step charged with what reading its evidence moved
+    beyond the starter's reading (traffic moved out of the step is counted all the same)."""
     timed = run.traffic[warmup:]
-    return statistics.median(timed) if timed and None not in timed else math.inf
+    if not timed or None in timed:
+        return math.inf
+    return statistics.median(_charged(timed, run.evidence_traffic[warmup:],
+                                      starter.evidence_traffic[warmup:] if starter is not None else []))
+
+
+def _charged(values: list[float], evidence: list, starter_evidence: list) -> list[float]:
+    """`values` (per timed workload) each plus what its evidence phase took beyond the median of the
+    starter's (none where either side has no evidence, or it was not observable)."""
+    if not evidence or not starter_evidence or None in evidence or None in starter_evidence:
+        return list(values)
+    base = statistics.median(starter_evidence)
+    return [value + max(0, extra - base) for value, extra in zip(values, evidence)]
 
 
 def _checked(run: SessionResult, error: float, rtol: float) -> str:
@@ -184,7 +199,7 @@ def grade_ep(ctx: Context) -> None:
         return
     error = loss_error(ref.ep.digests, run.digests)  # the starter's ep layout, on the same seeds
     expert_share = expert_parameter_share(profile)
-    starter, yours = _traffic(ref.ep, profile.warmup), _traffic(run, profile.warmup)
+    starter, yours = _traffic(ref.ep, profile.warmup), _traffic(run, profile.warmup, ref.ep)
     # The starter moves every parameter alike (plain FSDP), so its non-expert share of the traffic
     # is what a working EP still moves; what exceeds it is expert weights (tokens are small).
     expert_ratio = max(0.0, yours - starter * (1 - expert_share)) / (starter * expert_share)
@@ -269,8 +284,12 @@ STEPS = [grade_moe, grade_ep, grade_pp, grade_notebook]
 READS = {grade_moe: ("moe", "reference"), grade_ep: ("ep",), grade_pp: ("pp",), grade_notebook: ()}
 
 
-def _median_timed(run: SessionResult, warmup: int) -> float:
-    return statistics.median(run.seconds[warmup:])
+def _median_timed(run: SessionResult, warmup: int, starter: SessionResult | None = None) -> float:
+    """Median seconds of the timed workloads; against `starter`, each charged with the time its
+    evidence took beyond the starter's median evidence time: work a step leaves for the evidence
+    phase (an update read lazily with the moments) is paid for as if it ran in the step."""
+    return statistics.median(_charged(run.seconds[warmup:], run.evidence_seconds[warmup:],
+                                      starter.evidence_seconds[warmup:] if starter is not None else []))
 
 
 # -- figures from the PRISTINE kit (never the submission's) ------------------------------------
