@@ -83,3 +83,9 @@ def test_bench_command_sets_every_step_field_of_the_profile():
         argv = words[words.index("bench"):]
         args = build_parser("bench").parse_args(argv)
         assert args.seed == 3 and args.seq_len == profile.seq_len
+
+
+def test_the_handout_gives_each_profiles_graded_step_command():
+    handout = (KIT / "a1_infra/README.md").read_text()
+    for name, profile in load_rubric().profiles.items():
+        assert f"| `{name}` | `{profile.bench_command(0)}` |" in handout, f"a1_infra/README.md: {name}'s command"
