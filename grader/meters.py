@@ -40,19 +40,23 @@ class PeakResident:
     once they answer could be (a process that drops its state before it answers and takes it back
     after). Their own peak counters (VmHWM) they could reset themselves."""
 
-    def __init__(self, pids: Callable[[], Iterable[int]], interval: float = 0.005):
+    def __init__(self, pids: Callable[[], Iterable[int]], interval: float = 0.01):
+        """`pids` is asked once when the window opens and once when it closes (a scan of /proc);
+        between them the processes it named are sampled."""
         self.pids, self.interval = pids, interval
+        self.watched: list[int] = []
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
         while True:
-            self.peak = max(self.peak, max(resident_bytes(self.pids()).values(), default=0))
+            self.peak = max(self.peak, max(resident_bytes(self.watched).values(), default=0))
             if self._stop.wait(self.interval):
                 return
 
     def __enter__(self) -> PeakResident:
+        self.watched = list(self.pids())
         self._thread.start()
         return self
 

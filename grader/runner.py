@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .meters import PeakResident, nvlink_tx_bytes
+from .meters import PeakResident, nvlink_tx_bytes, resident_bytes
 from .rubric import Profile
 from .sandbox import Limits, SandboxedProcess, SandboxError, make_scratch, spawn_sandboxed
 
@@ -173,9 +173,11 @@ class Child:
 
     def step(self, result: SessionResult, seed: int, deadline: float, evidence: bool = False) -> None:
         """One timed workload; with `evidence`, then its evidence on a clock of its own (merged into
-        the workload's digest). Memory is the peak over the workload, sampled while it runs."""
+        the workload's digest). Host memory is the peak over the workload, sampled while it runs
+        (CPU profiles, where it is scored; on a GPU, where a sampling thread beside a host-bound
+        step would be timed with it, it is read once the workload ends, and only recorded)."""
         traffic = self.traffic()
-        with PeakResident(self.proc.pids) as resident:
+        with PeakResident(self.proc.pids if self.profile.device == "cpu" else list) as resident:
             reply, seconds = self.ask({"seed": seed}, deadline)
         if "digest" not in reply:
             result.error = reply.get("error") or DIED
@@ -195,7 +197,7 @@ class Child:
         result.digests.append(digest)
         result.seconds.append(seconds)
         result.traffic.append(None if traffic is None or after is None else after - traffic)
-        result.resident.append(resident.peak)
+        result.resident.append(resident.peak or max(resident_bytes(self.proc.pids()).values(), default=0))
 
     def gpu_memory(self) -> int | None:
         gpu = [m.gpu for m in self.proc.peak_memory_bytes().values() if m.gpu is not None]

@@ -96,7 +96,7 @@ def test_union_of_intervals():
 def test_bad_arguments_say_what_to_do():
     with pytest.raises(SystemExit, match="--steps"):
         cli.main([*TINY, "--steps", "0"])
-    with pytest.raises(SystemExit, match="--cuda-graphs replays compiled layers on one GPU: add --compile"):
+    with pytest.raises(SystemExit, match="train.cuda_graphs: replays compiled layers: set train.compile"):
         cli.main([*TINY, "--cuda-graphs"])  # no --compile (and, here, no GPU)
 
 

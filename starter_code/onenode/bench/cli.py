@@ -80,8 +80,10 @@ def main(args) -> int:
         record = measure.run(args)
     except torch.OutOfMemoryError as error:
         reason = str(error).split(". ")[0]
-        raise SystemExit(f"onenode bench: out of memory ({reason}): lower --micro-batch or --seq-len, or add "
-                         "--activation-checkpointing") from None
+        shape = "the recipe's micro-batch" if args.recipe else \
+            f"{args.micro_batch or 1} x {args.seq_len or 256} tokens per rank"
+        raise SystemExit(f"onenode bench: out of memory at {shape} ({reason}): lower --micro-batch or --seq-len, or "
+                         "add --activation-checkpointing") from None
     if is_main_process():
         print(format_table(record))
         if record["top_kernels"]:
