@@ -452,8 +452,10 @@ SYMLINK_PATCH = (f"diff --git a/{STARTER}/solution.py b/{STARTER}/solution.py\n"
 BINARY_PATCH = (f"diff --git a/{STARTER}/model/moe.py b/{STARTER}/model/moe.py\n"
                 "index 1111111..2222222 100644\nGIT binary patch\nliteral 4\nLcmZ?wbN&AT00031\n\n")
 
-# Patches the line-by-line intake reads one way and `git apply` another: each gets a file that no
-# `diff --git`, `---`, `+++` or `rename/copy from/to` line names written into the scratch tree.
+# Patches the line-by-line intake reads one way and `git apply` another. Each passes the text checks
+# and gets into the applied tree what they exist to keep out: a file outside starter_code/onenode/
+# that no header line names, an executable bit, a symlink (before the applied tree decided, only
+# the symlink was caught, by a scan for links after applying).
 HOOK = "starter_code/sitecustomize.py"  # on the child's PYTHONPATH: Python runs it in every process
 HOOKED = f"{STARTER}/train/__init__.py"  # a kit file the patches below start from
 
