@@ -178,6 +178,45 @@ _connection.Connection.recv, _connection.Connection.send = _recv, _send
 """
 
 
+# The reference MoE fix with an optimizer update that waits to be read: each step leaves its update
+# pending and the next one (or the first read of the optimizer's state, which is how the grader
+# reads the moments after its clock stopped) runs it first. Every loss and moment stays exact; the
+# timed step just holds no update. The grader times the evidence phase too: it took several times
+# the starter's, so the whole step's speed counts for nothing.
+DEFERS_THE_UPDATE = """
+import collections as _collections
+
+_honest_train_step, _deferred = train_step, []
+
+
+class _StateThatSettles(_collections.defaultdict):
+    def _settle(self):
+        while _deferred:
+            update = _deferred.pop()
+            update()
+
+    def get(self, key, default=None):
+        self._settle()
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self._settle()
+        return super().__getitem__(key)
+
+
+def train_step(model, optimizer, input_ids, labels, grad_clip=1.0, **options):
+    if not isinstance(optimizer.state, _StateThatSettles):
+        optimizer.state = _StateThatSettles(dict, optimizer.state)
+    optimizer.state._settle()
+    step = optimizer.step
+    optimizer.step = lambda *args, **kwargs: _deferred.append(lambda: step(*args, **kwargs))
+    try:
+        return _honest_train_step(model, optimizer, input_ids, labels, grad_clip, **options)
+    finally:
+        del optimizer.step
+"""
+
+
 def _on_the_moe_fix(name: str, code: str):
     def build(kit: Path, dest: Path) -> Path:
         fixed = (kit / "solutions" / "a1" / MOE_FILE.removeprefix("starter_code/")).read_text()
@@ -210,6 +249,12 @@ def _layout_skips_a_parameter(part: str):
 
 def _queues_into_the_starters_turn(kit: Path, dest: Path) -> Path:
     return folder(dest, "queues-into-the-starters-turn", append_to(kit, STEP_FILE, QUEUES_INTO_THE_STARTERS_TURN))
+
+
+def defers_the_update(kit: Path, dest: Path) -> Path:
+    fixed = (kit / "solutions" / "a1" / MOE_FILE.removeprefix("starter_code/")).read_text()
+    return folder(dest, "defers-the-update-into-the-evidence",
+                  diff(kit, MOE_FILE, fixed) + append_to(kit, STEP_FILE, DEFERS_THE_UPDATE))
 
 
 def _replays_sessions(kit: Path, dest: Path) -> Path:
