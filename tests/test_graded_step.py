@@ -89,3 +89,30 @@ def test_the_handout_gives_each_profiles_graded_step_command():
     handout = (KIT / "a1_infra/README.md").read_text()
     for name, profile in load_rubric().profiles.items():
         assert f"| `{name}` | `{profile.bench_command(0)}` |" in handout, f"a1_infra/README.md: {name}'s command"
+
+
+def test_evidence_beyond_the_starters_is_charged_and_far_beyond_it_zeroes_the_step():
+    """`scoring._step_numbers`: a session's evidence phase is compared with the starter's in the
+    same layout; its excess is added to each step's time, and beyond `EVIDENCE_BOUND` times the
+    starter's the step's speed is not scored."""
+    from types import SimpleNamespace
+
+    from grader.a1 import scoring
+    from grader.runner import SessionResult
+
+    profile = load_rubric().profiles["cpu-tiny"]
+    starter = SessionResult(seconds=[1.0, 0.2, 0.2, 0.2], evidence_seconds=[0.1] * 4)
+
+    def graded(evidence: float) -> tuple[float, dict]:
+        ctx = SimpleNamespace(job=SimpleNamespace(profile=profile), measurements={}, leaderboard=[])
+        run = SessionResult(seconds=[1.0, 0.1, 0.1, 0.1], evidence_seconds=[evidence] * 4)
+        speedup, _ = scoring._step_numbers(ctx, run, starter, "reference", "moe_step")
+        return speedup, ctx.measurements
+
+    honest, _ = graded(0.1)
+    deferred, numbers = graded(0.15)  # 50 ms of the step left for the evidence phase: paid for
+    assert honest == pytest.approx(2.0) and deferred == pytest.approx(0.2 / 0.15)
+    assert numbers["reference_evidence_charged_s"] == pytest.approx(0.05)
+    far, numbers = graded(0.1 * scoring.EVIDENCE_BOUND + 0.01)
+    assert far == 0 and "reference_step_speedup" not in numbers
+    assert graded(0.05)[0] == pytest.approx(2.0)  # a faster reading earns nothing either

@@ -179,16 +179,14 @@ def test_honest_submission_is_unaffected_by_the_hostile_ones(job, tmp_path):
 
 
 @pytest.mark.slow
-def test_an_update_left_for_the_evidence_phase_earns_no_step_speed(job, tmp_path):
+def test_an_update_left_for_the_evidence_phase_is_paid_for(job, tmp_path):
     """The update deferred until the grader reads the optimizer's state (after its clock stopped)
-    trains exactly, so Part 1 stays correct; but the evidence phase then takes several times the
-    starter's, and the whole step's speed earns nothing (half of Part 1's speed points at most)."""
+    trains exactly, so Part 1 stays correct; but the evidence phase then takes longer than the
+    starter's, and the excess is charged to the whole step's time (on cpu-tiny the update is small
+    beside the reading: about 1 ms, under the bound that zeroes the step's speed; a GPU's update
+    is a fifth of the step). `test_graded_step.py` holds the rule itself."""
     results = _grade(a1_sessions.defers_the_update(KIT, tmp_path / "in"), job, tmp_path / "out")
     numbers = results["extra_data"]["numbers"]
-    tests = {t["name"]: t for t in results["tests"] if "moe" in t["tags"]}
-    speed = next(t for name, t in tests.items() if name.endswith("speed"))
-    correct = next(t for name, t in tests.items() if name.endswith("correctness"))
+    correct = next(t for t in results["tests"] if "moe" in t["tags"] and t["name"].endswith("correctness"))
     assert correct["score"] == correct["max_score"], correct["output"]
-    assert numbers["reference_evidence_ratio"] > scoring.EVIDENCE_BOUND, numbers
-    assert "reference_step_speedup" not in numbers and "not scored: reading the step's evidence" in speed["output"]
-    assert speed["score"] <= speed["max_score"] / 2
+    assert numbers["reference_evidence_charged_s"] > 0, numbers
