@@ -288,6 +288,27 @@ def test_read_by_layer_malformed_moments_are_infinitely_wrong(edit):
     assert moments_error(steps(), sub, "layers") == math.inf
 
 
+def test_part_2_reads_the_busiest_ranks_share_of_the_experts_and_what_the_routing_must_move():
+    from onenode.model import routed_expert_parameters
+
+    profile = load_rubric().profile("cpu-tiny")
+    whole = routed_expert_parameters(scoring._profile_config(profile))
+    half = [whole // 2, whole // 2, whole]  # parameters, gradients, two AdamW moments
+    run = SessionResult(digests=[{"experts_held": [half, half]}])
+    assert scoring.experts_held_share(profile, run) == 0.5
+    run.digests.append({"experts_held": [half, [whole // 2, whole // 2, 2 * whole]]})  # one rank's moments of all
+    assert scoring.experts_held_share(profile, run) == 1.0
+    starter = SessionResult(digests=[{"routes": 1000}] * profile.warmup + [{"routes": r} for r in (3, 5, 100)])
+    hidden_bytes = scoring._profile_config(profile).hidden_size * 4  # float32
+    assert scoring.token_traffic(profile, starter) == 4 * hidden_bytes * 5  # there and back, forward and backward
+
+
+def test_an_ep_layout_without_part_2s_bounds_is_refused():
+    profile = load_rubric().profile("cpu-tiny")
+    with pytest.raises(ValueError, match="ep layout needs max_expert_state and min_token_traffic"):
+        dataclasses.replace(profile, max_expert_state=None)
+
+
 def test_a_profile_names_a_reading_the_grader_has():
     profile = load_rubric().profile("h200x1")
     assert profile.moments_reading == "layers" and profile.moments_rtol is not None
