@@ -357,7 +357,7 @@ def context(profile, runs: dict[str, SessionResult], starter_step_s: float = 2.0
     n_steps = profile.warmup + profile.repeats
     moe = run(workloads(n_moe), 1.0)
     reference = SimpleNamespace(moe=moe, moe_exact=moe, train=run(steps(n_steps), starter_step_s),
-                                ep=run(steps(n_steps), starter_step_s, traffic=100 * 2**20), pp_train=None)
+                                ep=run(ep_steps(profile, n_steps), starter_step_s, traffic=100 * 2**20), pp_train=None)
     job = SimpleNamespace(rubric=load_rubric(), profile=profile, reference=reference)
     runs = {"moe-starter": run(workloads(n_moe), 1.0), **runs}
     return scoring.Context(job, SimpleNamespace(name="made-up"), runs, logs=None)
@@ -460,6 +460,15 @@ def test_a_wrong_layer_zeroes_part1_whatever_its_step(profile):
     assert scores == [0, 0] and outputs[0].startswith("wrong: ")
 
 
+def ep_steps(profile, n: int, held: float = 0.5, routes: int = 100) -> list[dict]:
+    """`steps` of the ep layout (two ranks): each rank holding `held` of the routed experts, and
+    `routes` (token, other rank) pairs counted by the starter's routers (0.1 MiB on cpu-tiny)."""
+    from onenode.model import routed_expert_parameters
+
+    part = int(held * routed_expert_parameters(scoring._profile_config(profile)))
+    return [dict(step, experts_held=[[part, part, 2 * part]] * 2, routes=routes) for step in steps(n)]
+
+
 def part2(profile, step_s: float, losses: list[dict], traffic_mb: float) -> tuple[list, list]:
     ctx = context(profile, {"ep": run(losses, step_s, traffic=int(traffic_mb * 2**20))})
     scoring.grade_ep(ctx)
@@ -468,14 +477,29 @@ def part2(profile, step_s: float, losses: list[dict], traffic_mb: float) -> tupl
 
 def test_part2_speed_is_the_starter_time_over_yours(profile):
     n = profile.warmup + profile.repeats
-    scores, _ = part2(profile, 1.0, steps(n), traffic_mb=1.0)  # the starter's ep step took 2 s
+    scores, _ = part2(profile, 1.0, ep_steps(profile, n), traffic_mb=1.0)  # the starter's ep step took 2 s
     assert scores == [3.0, 4.0, pytest.approx(3 * speed_share(2.0, *profile.speed["ep_step"]), abs=1e-3)]
-    scores, _ = part2(profile, 4.0, steps(n), traffic_mb=1.0)  # 0.5x
+    scores, _ = part2(profile, 4.0, ep_steps(profile, n), traffic_mb=1.0)  # 0.5x
     assert scores == [3.0, 4.0, 0.0]
 
 
+HOLDS = r"a rank holds more than its 1/2 of the routed experts \(their parameters, gradients or optimizer state\)"
+NO_TOKENS = "too little travels between the ranks for the tokens to reach the experts other ranks hold"
+
+
+@pytest.mark.parametrize("held, traffic_mb, missing", [
+    (1.0, 1.0, HOLDS), (0.5, 0.05, NO_TOKENS), (1.0, 0.05, f"{HOLDS}; {NO_TOKENS}"),
+    (0.5, 90.0, "the expert weights still travel between the ranks"),
+], ids=["whole-experts", "no-tokens", "whole-batch-on-every-rank", "weights-travel"])
+def test_part2_is_earned_by_expert_parallelism_only(profile, held, traffic_mb, missing):
+    """Right losses, and the expert weights' traffic gone, earn nothing unless each rank holds its
+    share of the experts and the tokens' hidden states travel (and the other way round)."""
+    scores, outputs = part2(profile, 1.0, ep_steps(profile, profile.warmup + profile.repeats, held), traffic_mb)
+    assert scores == [0, 0, 0] and re.match(f"matches, but {missing}: loss and gradient norm", outputs[0]), outputs[0]
+
+
 def test_wrong_ep_losses_zero_part2(profile):
-    wrong = steps(profile.warmup + profile.repeats)
+    wrong = ep_steps(profile, profile.warmup + profile.repeats)
     wrong[0]["grad_norm"] = math.inf
     scores, outputs = part2(profile, 0.5, wrong, traffic_mb=1.0)
     assert scores == [0, 0, 0] and outputs[0].startswith("wrong: ")
