@@ -375,6 +375,8 @@ class TrainSession:
     grader sends (the profile's, which its handout's `onenode bench` command runs too): the step
     timed is the step a student benches. The batches are the grader's, drawn from its seeds."""
 
+    routes = None  # with `count_routes`: the step's (token, other ep rank) pairs, on the device
+
     def __init__(self, spec: dict, rank: int, counter: CollectiveCounter):
         import torch
 
@@ -411,6 +413,64 @@ class TrainSession:
             held += local.numel() * local.element_size()
         return {"param_bytes": held, "recipe": self.run.recipe.to_dict()}
 
+    def count_routes(self) -> None:
+        """From now on, count in each forward the tokens this rank's routers send to an expert that
+        another rank of its ep group holds, the experts split over the group in contiguous blocks
+        (rank i of the group holding experts [i * E / ep, (i + 1) * E / ep)): once per (token, such
+        rank), the least a token dispatch must move, and each router once a step (a forward
+        recomputed for backward is not counted again). Run on the starter's ep layout (its routers
+        are pristine and route the batch as a correct layout does); `evidence` reports it."""
+        import re
+
+        import torch
+
+        ep = self.spec["layout"]["ep"]
+        mine, block = self.rank % ep, self.config.n_routed_experts // ep  # ranks are (pp, dp_mod_ep, ep), ep fastest
+        self.routes = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.routed: set[int] = set()  # the routers counted this step
+
+        def count(module, args, output):
+            if id(module) in self.routed:
+                return
+            self.routed.add(id(module))
+            owners = output[0] // block  # the router's (topk_idx, topk_weight): [tokens, k] -> owner rank
+            reached = torch.zeros(owners.shape[0], ep, dtype=torch.bool, device=owners.device).scatter_(1, owners, True)
+            reached[:, mine] = False
+            self.routes += reached.sum()
+
+        for name, module in self.model.named_modules():
+            if re.fullmatch(r"backbone\.layers\.\d+\.mixer\.gate", OptimizerMoments.plain(name)):
+                module.register_forward_hook(count)
+
+    def expert_evidence(self) -> dict:
+        """After a step, for the parent's Part 2 checks: the elements of the routed experts this rank
+        holds (`experts_held`: their parameters, gradients, optimizer state), and the step's
+        `routes` (then reset; None without `count_routes`): part of `evidence`.
+
+        The parameters are those `ExpertSlots` found holding the loaded experts' values (a shard
+        counts its local part only); the optimizer state is every tensor the optimizer keeps for them
+        but its scalar step counts."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        def local(tensor) -> int:
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+                return 0
+            return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).numel()
+
+        params = {id(slot[0]): slot[0] for slots in self.moments.experts.values() for column in slots.slots.values()
+                  for slot in column if slot is not None}
+        held = [0, 0, 0]
+        for param in params.values():
+            held[0] += local(param)
+            held[1] += local(param.grad)
+            held[2] += sum(local(value) for value in self.optimizer.state.get(param, {}).values())
+        routes = None if self.routes is None else int(self.routes)
+        if self.routes is not None:
+            self.routes.zero_()
+            self.routed.clear()
+        return {"experts_held": held, "routes": routes}
+
     def step(self, seed: int) -> dict:
         """One optimizer step on this rank's share of a batch made from `seed` on every rank: the
         timed work. Its loss and gradient norm come back with it; the evidence of what it did, in
@@ -441,7 +501,7 @@ class TrainSession:
         whatever this takes beyond the starter's reading is charged to the step (grader/a1/scoring.py)."""
         with self.counter.paused():
             moments = self.moments.digest(self.optimizer)
-        return {"moments": moments, "note": self.run.cuda_graph_note()}
+        return {"moments": moments, "note": self.run.cuda_graph_note(), **self.expert_evidence()}
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -479,6 +539,8 @@ def _rank_main(config: dict, rank: int, store: str, conn) -> None:
                 _check_onenode(config["tree"])
                 session = MoeSession(spec) if spec["kind"] == "moe" else TrainSession(spec, rank, counter)
                 _check_onenode(config["tree"])  # nothing swapped in while building
+                if spec.get("count_routes"):
+                    session.count_routes()
                 conn.send({"ready": session.info()})
             elif "evidence" in msg:
                 conn.send({"evidence": session.evidence()})
@@ -491,10 +553,15 @@ def _rank_main(config: dict, rank: int, store: str, conn) -> None:
 
 
 def _merge(replies: list[dict]) -> dict:
-    """Rank 0's answer, with the largest per-rank byte counts (every rank should agree)."""
+    """Rank 0's answer, with the largest per-rank byte counts (every rank should agree), every
+    rank's `experts_held` and the sum of their `routes`."""
     first = dict(replies[0])
     key = next(k for k in ("ready", "digest", "evidence") if k in first)
     merged = dict(first[key])
+    if "experts_held" in merged:
+        merged["experts_held"] = [r[key]["experts_held"] for r in replies]
+    if merged.get("routes") is not None:
+        merged["routes"] = sum(r[key]["routes"] for r in replies)
     if "param_bytes" in merged:
         merged["param_bytes"] = max(r[key]["param_bytes"] for r in replies)
     if "bytes" in merged:

@@ -74,6 +74,11 @@ class A1Profile(Profile):
     # how they are read (`compare.MOMENTS_READINGS`): "entries", each on its own scale (float32), or
     # "layers", each layer's summed and a parameter stepped on one side only wrong (bfloat16)
     moments_reading: str = "entries"
+    # Part 2, set where the profile has an ep layout: each of its ranks may hold at most this many
+    # times 1/ep of the routed experts' parameters, gradients and optimizer state, and its traffic
+    # must be at least this many times what the tokens' routing sends to other ranks' experts
+    max_expert_state: float | None = None
+    min_token_traffic: float | None = None
     # recipe fields of the timed training step beyond the profile's model, batch, layout and
     # precision (`train.compile`, `train.cuda_graphs`, ...): what `bench_command` runs too
     step: dict[str, object] = field(default_factory=dict)
@@ -108,6 +113,9 @@ class A1Profile(Profile):
         return " ".join(words + [f"--seed {seed}"])
 
     def __post_init__(self):
+        if "ep" in self.layouts and (self.max_expert_state is None or self.min_token_traffic is None):
+            raise ValueError(f"profile {self.name}: its ep layout needs max_expert_state and min_token_traffic "
+                             "(Part 2's evidence of expert parallelism): set both")
         if self.moments_reading not in MOMENTS_READINGS:
             raise ValueError(f"profile {self.name}: moments_reading = {self.moments_reading!r}: choose one of "
                              f"{', '.join(MOMENTS_READINGS)}")

@@ -214,8 +214,11 @@ def _moments_checked(ctx: Context, ref: list[dict], digests: list[dict], key: st
 
 
 def grade_ep(ctx: Context) -> None:
-    """Part 2: the ep layout trains like the reference, and the expert weights stop travelling:
-    the traffic between its ranks, read by the grader, against the starter's in the same layout."""
+    """Part 2: the ep layout trains like the reference, and it is expert parallelism: the expert
+    weights stop travelling (the traffic between its ranks, read by the grader, against the
+    starter's in the same layout), each rank holds its share of the routed experts, and at least
+    the hidden states the tokens' routing sends to other ranks' experts travel (a layout in which
+    every rank trains the whole batch on a whole model moves almost nothing)."""
     job, part, profile = ctx.job, ctx.job.rubric.parts["ep"], ctx.job.profile
     if "ep" not in profile.layouts:
         return _not_on_profile(ctx, part, "ep")
@@ -231,15 +234,29 @@ def grade_ep(ctx: Context) -> None:
     # is what a working EP still moves; what exceeds it is expert weights (tokens are small).
     expert_ratio = max(0.0, yours - starter * (1 - expert_share)) / (starter * expert_share)
     ctx.measurements.update(expert_traffic_ratio=expert_ratio, ep_traffic_mb_per_step=yours / 2**20)
+    ep = profile.layouts["ep"]["ep"]
+    held, most = experts_held_share(profile, run), profile.max_expert_state / ep
+    needed = token_traffic(profile, ref.ep)
+    ctx.measurements.update(ep_experts_held_share=held, ep_token_traffic_mb_per_step=needed / 2**20)
     feature = (f"traffic between the ranks per step, read by the grader: starter {starter / 2**20:.2f} MiB, yours "
                f"{yours / 2**20:.2f} MiB; expert weights are {expert_share:.0%} of the model, so about "
                f"{expert_ratio:.0%} of the starter's expert traffic remains (at most "
-               f"{profile.max_expert_traffic:.0%} passes)")
+               f"{profile.max_expert_traffic:.0%} passes); the tokens' routing sends {needed / 2**20:.3f} MiB of "
+               f"hidden states to experts on other ranks (at least {profile.min_token_traffic:g}x of it must move); "
+               f"your busiest rank holds {held:.0%} of the routed experts' parameters, gradients or optimizer "
+               f"state (its share is 1/{ep}: at most {most:.0%} passes)")
+    missing = [why for failed, why in (
+        (expert_ratio > profile.max_expert_traffic, "the expert weights still travel between the ranks"),
+        (held > most, f"a rank holds more than its 1/{ep} of the routed experts (their parameters, gradients or "
+                      "optimizer state)"),
+        (yours < profile.min_token_traffic * needed, "too little travels between the ranks for the tokens to reach "
+                                                     "the experts other ranks hold"),
+    ) if failed]
     moments_ok, moments_line = _moments_checked(ctx, ref.ep.digests, run.digests, "ep_moments")
     speedup, timing = _step_numbers(ctx, run, ref.ep, "ep")
-    _award(ctx, part, error <= profile.train_rtol and moments_ok, expert_ratio <= profile.max_expert_traffic,
+    _award(ctx, part, error <= profile.train_rtol and moments_ok, not missing,
            profile.speed_share("ep_step", speedup), f"{_checked(run, error, profile.train_rtol)}; {moments_line}",
-           feature, timing, "the expert weights still travel between the ranks")
+           feature, timing, "; ".join(missing))
 
 
 def grade_pp(ctx: Context) -> None:
@@ -332,6 +349,28 @@ def expert_parameter_share(profile: A1Profile) -> float:
 
     config = _profile_config(profile)
     return routed_expert_parameters(config) / count_parameters(config)[0]
+
+
+def experts_held_share(profile: A1Profile, run: SessionResult) -> float:
+    """The most of the profile's routed experts any rank of `run` held after any step, as a share of
+    them: of their parameters, of their gradients, or of their optimizer state (AdamW: two moments
+    a parameter), counted by the harness in the parameters that hold the loaded experts' values."""
+    from onenode.model import routed_expert_parameters
+
+    whole = routed_expert_parameters(_profile_config(profile))
+    return max((max(params, grads, state / 2) / whole for digest in run.digests
+                for params, grads, state in digest["experts_held"]), default=math.inf)
+
+
+def token_traffic(profile: A1Profile, starter_ep: SessionResult) -> float:
+    """Bytes per timed step (median) an ep layout must move at least for its tokens to reach their
+    experts: each (token, other rank holding one of its experts) pair that the starter's routers
+    counted (`harness.TrainSession.count_routes`) sends the token's hidden state there and the result
+    back, and their gradients the other way."""
+    import torch
+
+    hidden = _profile_config(profile).hidden_size * getattr(torch, profile.dtype).itemsize
+    return 4 * hidden * statistics.median(digest["routes"] for digest in starter_ep.digests[profile.warmup:])
 
 
 def activation_bytes(profile: A1Profile, pp: int) -> int:
