@@ -282,7 +282,7 @@ def test_a_rank_reports_the_experts_it_holds_with_their_gradients_and_optimizer_
         session.optimizer = torch.optim.AdamW(layer.parameters())
         sum(p.sum() for p in layer.parameters()).backward()
         session.optimizer.step()
-        assert session.evidence() == {"experts_held": [held, held, 2 * held], "routes": None}
+        assert session.expert_evidence() == {"experts_held": [held, held, 2 * held], "routes": None}
 
 
 class Router(nn.Module):
@@ -311,7 +311,7 @@ def test_the_starters_routers_count_each_token_once_per_other_rank_holding_one_o
     for _ in range(2):
         gate(torch.zeros(4, 6))
         gate(torch.zeros(4, 6))  # the recomputation
-        assert session.evidence()["routes"] == 2
+        assert session.expert_evidence()["routes"] == 2
 
 
 def test_the_harness_never_reads_the_submissions_adapter():
