@@ -74,7 +74,7 @@ def worker(args) -> None:
     model = parallelize(model, ParallelDims(pp=world), param_dtype=dtype, **pipeline)
     sequences = args.microbatches if world > 1 else 1
     optimizer = build_optimizer(model, lr=3e-4)
-    batches = synthetic_batches(config.vocab_size, sequences, args.seq_len, seed=0, rank=0)
+    batches = synthetic_batches(config.vocab_size, sequences, args.seq_len, seed=0, dp_rank=0, dp=1)
 
     def step() -> float | None:
         input_ids, labels = (t.to(device) for t in next(batches))

@@ -18,9 +18,8 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
   (`torch.cuda.set_sync_debug_mode`), printed after the bench's table;
 - `cpp-wrapper`: inductor's C++ wrapper launches a compiled block's kernels (its default, a Python
   wrapper, costs host time per kernel: the launch overhead a one-sequence step is bound by);
-- `compile-mode --mode M`: each layer compiled with `torch.compile(mode=M)` (`onenode bench
-  --compile-mode M`): `reduce-overhead` replays each compiled block as a CUDA graph, `max-autotune`
-  adds kernel autotuning and CUDA graphs, `max-autotune-no-cudagraphs` the autotuning alone;
+- `compile-mode --mode reduce-overhead`: each compiled block replayed as a CUDA graph (the recipe's
+  `train.cuda_graphs`; the other modes of torch.compile are no recipe field and are refused);
 - `router-own-unit`: each MoE router gathered float32 as an FSDP unit of its own
   (`fsdp.Units.routers_apart`), not bf16 with the rest of its layer: the unit's hooks split a
   compiled MoE block in three graphs;
@@ -105,7 +104,10 @@ def main() -> int:
         elif probe == "compile-mode":
             if args.mode is None:
                 parser.error("compile-mode needs --mode")
-            bench_options += ["--compile-mode", args.mode]
+            if args.mode != "reduce-overhead":
+                parser.error(f"compile-mode --mode {args.mode}: only reduce-overhead is a recipe field "
+                             "(train.cuda_graphs)")
+            bench_options += ["--set", "train.cuda_graphs=true"]
         elif probe == "router-own-unit":
             fsdp.UNITS = dataclasses.replace(fsdp.UNITS, routers_apart=True)
         elif probe == "one-unit":

@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 _NVLINK_TX = re.compile(r"Link \d+: Data Tx: (\d+) KiB")
@@ -31,6 +32,38 @@ def resident_bytes(pids: Iterable[int]) -> dict[int, int]:
         if found is not None:  # a zombie has none
             resident[pid] = int(found.split()[1]) * 1024
     return resident
+
+
+class PeakResident:
+    """The most memory any one of some processes has resident at any moment of a window, sampled
+    from outside every `interval` seconds: a reading the processes cannot time, as a value read
+    once they answer could be (a process that drops its state before it answers and takes it back
+    after). Their own peak counters (VmHWM) they could reset themselves."""
+
+    def __init__(self, pids: Callable[[], Iterable[int]], interval: float = 0.01):
+        """`pids` is asked once when the window opens and once when it closes (a scan of /proc);
+        between them the processes it named are sampled."""
+        self.pids, self.interval = pids, interval
+        self.watched: list[int] = []
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, max(resident_bytes(self.watched).values(), default=0))
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> PeakResident:
+        self.watched = list(self.pids())
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, max(resident_bytes(self.pids()).values(), default=0))
 
 
 def _nvidia_smi(*args: str) -> str | None:

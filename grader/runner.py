@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .meters import nvlink_tx_bytes, resident_bytes
+from .meters import PeakResident, nvlink_tx_bytes, resident_bytes
 from .rubric import Profile
 from .sandbox import Limits, SandboxedProcess, SandboxError, make_scratch, spawn_sandboxed
 
@@ -64,9 +64,13 @@ class SessionResult:
     seconds: list[float] = field(default_factory=list)  # per workload, measured by the grader
     # Per workload, read by the grader from outside the child (meters.py, sandbox.py): bytes the
     # child's processes sent each other (its loopback on CPU, NVLink on GPU; None: not observable
-    # here), and the most memory any one of its processes had resident once the workload was done.
+    # here), and the most memory any one of its processes had resident at any moment of it.
     traffic: list[int | None] = field(default_factory=list)
     resident: list[int] = field(default_factory=list)
+    # Per workload of a training session, after its clock stopped: the seconds and the traffic of
+    # reading its evidence (the optimizer's moments), which the scoring compares with the starter's
+    evidence_seconds: list[float] = field(default_factory=list)
+    evidence_traffic: list[int | None] = field(default_factory=list)
     gpu_memory: int | None = None  # the most GPU memory one of its processes held, after the session
     setup_s: float = 0.0  # from the session spec to "ready"
     error: str | None = None
@@ -167,17 +171,33 @@ class Child:
             return nvlink_tx_bytes()
         return self.proc.network_bytes()
 
-    def step(self, result: SessionResult, seed: int, deadline: float) -> None:
+    def step(self, result: SessionResult, seed: int, deadline: float, evidence: bool = False) -> None:
+        """One timed workload; with `evidence`, then its evidence on a clock of its own (merged into
+        the workload's digest). Host memory is the peak over the workload, sampled while it runs
+        (CPU profiles, where it is scored; on a GPU, where a sampling thread beside a host-bound
+        step would be timed with it, it is read once the workload ends, and only recorded)."""
         traffic = self.traffic()
-        reply, seconds = self.ask({"seed": seed}, deadline)
-        if "digest" in reply:
-            after = self.traffic()
-            result.digests.append(reply["digest"])
-            result.seconds.append(seconds)
-            result.traffic.append(None if traffic is None or after is None else after - traffic)
-            result.resident.append(max(resident_bytes(self.proc.pids()).values(), default=0))
-        else:
+        with PeakResident(self.proc.pids if self.profile.device == "cpu" else list) as resident:
+            reply, seconds = self.ask({"seed": seed}, deadline)
+        if "digest" not in reply:
             result.error = reply.get("error") or DIED
+            return
+        after = self.traffic()
+        digest = reply["digest"]
+        if evidence:
+            answer, evidence_s = self.ask({"evidence": True}, deadline)
+            if "evidence" not in answer or not isinstance(answer["evidence"], dict) \
+                    or not isinstance(digest, dict):
+                result.error = answer.get("error") or DIED
+                return
+            read = self.traffic()
+            digest = {**answer["evidence"], **digest}
+            result.evidence_seconds.append(evidence_s)
+            result.evidence_traffic.append(None if read is None or after is None else read - after)
+        result.digests.append(digest)
+        result.seconds.append(seconds)
+        result.traffic.append(None if traffic is None or after is None else after - traffic)
+        result.resident.append(resident.peak or max(resident_bytes(self.proc.pids()).values(), default=0))
 
     def gpu_memory(self) -> int | None:
         gpu = [m.gpu for m in self.proc.peak_memory_bytes().values() if m.gpu is not None]
@@ -195,13 +215,13 @@ class Child:
         if baseline is not None:
             pairs.append((*baseline, baseline[0].open(baseline[1], deadline)))
         for i, seed in enumerate(session.seeds):
-            for child, _, result in pairs if i % 2 == 0 else pairs[::-1]:
+            for child, timed, result in pairs if i % 2 == 0 else pairs[::-1]:
                 others = [other for other, _, _ in pairs if other is not child]
                 if result.ok:
                     for other in others:
                         other.proc.pause()
                     try:
-                        child.step(result, seed, deadline)
+                        child.step(result, seed, deadline, evidence=timed.spec.get("kind") == "train")
                     finally:
                         for other in others:
                             other.proc.resume()

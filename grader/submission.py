@@ -5,7 +5,11 @@ A submission is a folder or an archive (.zip, .tar.gz, .tgz, .tar) holding `subm
 top or inside one top-level folder. Everything here is checked before anything runs: size, text,
 paths (only `.py` files under `starter_code/onenode/`), no binary hunks, no symlinks, no renames
 or copies out of the tree, and `git apply --check` against a pristine copy of the kit's
-`starter_code/`. Each problem is a `SubmissionError` whose message is one line saying what to do.
+`starter_code/`. Those text checks give the common mistakes a clear reason; what decides is the
+applied tree itself (`patched_tree`): git reads a patch in ways a line-by-line reader does not, so
+every path that differs from the pristine copy after `git apply` must be a regular, non-executable
+.py text file under `starter_code/onenode/`. Each problem is a `SubmissionError` whose message is
+one line saying what to do.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import subprocess
 import tarfile
 import zipfile
@@ -224,12 +229,14 @@ def _git_apply(tree: Path, patch_file: Path, *extra: str) -> subprocess.Complete
 
 
 def patched_tree(submission: Submission, dest: Path, kit_root: Path = KIT_ROOT) -> Path:
-    """A pristine copy of starter_code with the submission applied (`git apply --check` first)."""
+    """A pristine copy of starter_code with the submission applied (`git apply --check` first),
+    refused unless everything that then differs from the pristine copy passes `check_applied`."""
     pristine_tree(dest, kit_root)
     if not submission.changed_files:
         return dest
     patch_file = dest.parent / f"{dest.name}.patch"
     patch_file.write_text(submission.patch, encoding="utf-8")
+    pristine = _snapshot(dest)
     for extra in (("--check",), ()):
         result = _git_apply(dest, patch_file, *extra)
         if result.returncode != 0:
@@ -240,7 +247,67 @@ def patched_tree(submission: Submission, dest: Path, kit_root: Path = KIT_ROOT) 
                 f"{PATCH_NAME} does not apply to this kit's starter_code ({reason}): "
                 f"regenerate it with `git diff` against the current kit"
             )
-    symlinks = [p for p in (dest / "starter_code").rglob("*") if p.is_symlink()]
-    if symlinks:
-        raise SubmissionError(f"{PATCH_NAME} created a symlink ({symlinks[0].name}): only regular files may change")
+    check_applied(pristine, _snapshot(dest))
     return dest
+
+
+# -- the applied tree --------------------------------------------------------------------------
+_REMAKE = f"make it with `git diff -- starter_code/onenode > {PATCH_NAME}`"
+Entry = tuple[str, int, bytes]  # (kind, permission bits, a file's content or a link's target)
+
+
+def _snapshot(root: Path) -> dict[str, Entry]:
+    """Everything under `root` but directories, by its path relative to `root`; links are read,
+    never followed."""
+    entries = {}
+    for top, dirs, files in os.walk(root):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
+            path = os.path.join(top, name)
+            info = os.lstat(path)
+            if stat.S_ISLNK(info.st_mode):
+                kind, data = "symlink", os.fsencode(os.readlink(path))
+            elif stat.S_ISREG(info.st_mode):
+                kind, data = "regular file", Path(path).read_bytes()
+            else:
+                kind, data = "special file", b""
+            entries[os.path.relpath(path, root)] = (kind, stat.S_IMODE(info.st_mode), data)
+    return entries
+
+
+def _is_text(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return b"\0" not in data
+
+
+def _git_mode(bits: int) -> str:
+    """A file's mode as git records it: only the executable bit counts."""
+    return "100755" if bits & 0o111 else "100644"
+
+
+def check_applied(pristine: dict[str, Entry], applied: dict[str, Entry]) -> None:
+    """SubmissionError for the first path the applied patch changed that a submission may not:
+    anything outside `starter_code/onenode/` or not a .py file there (written or deleted), a link
+    or special file, an executable bit, or content that is not UTF-8 text without NUL bytes."""
+    for path in sorted(pristine.keys() | applied.keys()):
+        before, after = pristine.get(path), applied.get(path)
+        if before == after:
+            continue
+        if not (path.startswith(ALLOWED_ROOT) and path.endswith(".py")):
+            raise SubmissionError(f"{PATCH_NAME} {'deletes' if after is None else 'writes'} {path!r} when applied: "
+                                  f"only .py files under {ALLOWED_ROOT} may change ({_REMAKE})")
+        if after is None:
+            continue  # a .py file of the student's package removed
+        kind, bits, data = after
+        if kind != "regular file":
+            raise SubmissionError(f"{PATCH_NAME} makes {path!r} a {kind} when applied: "
+                                  f"only regular files may change ({_REMAKE})")
+        was = _git_mode(before[1]) if before else "100644"
+        if _git_mode(bits) != was:
+            raise SubmissionError(f"{PATCH_NAME} changes the mode of {path!r} ({was} -> {_git_mode(bits)}) when "
+                                  "applied: only contents may change (`chmod -x` it and make the patch again)")
+        if not _is_text(data):
+            raise SubmissionError(f"{PATCH_NAME} makes {path!r} binary when applied: "
+                                  "only UTF-8 Python source may change")

@@ -288,6 +288,27 @@ def test_read_by_layer_malformed_moments_are_infinitely_wrong(edit):
     assert moments_error(steps(), sub, "layers") == math.inf
 
 
+def test_part_2_reads_the_busiest_ranks_share_of_the_experts_and_what_the_routing_must_move():
+    from onenode.model import routed_expert_parameters
+
+    profile = load_rubric().profile("cpu-tiny")
+    whole = routed_expert_parameters(scoring._profile_config(profile))
+    half = [whole // 2, whole // 2, whole]  # parameters, gradients, two AdamW moments
+    run = SessionResult(digests=[{"experts_held": [half, half]}])
+    assert scoring.experts_held_share(profile, run) == 0.5
+    run.digests.append({"experts_held": [half, [whole // 2, whole // 2, 2 * whole]]})  # one rank's moments of all
+    assert scoring.experts_held_share(profile, run) == 1.0
+    starter = SessionResult(digests=[{"routes": 1000}] * profile.warmup + [{"routes": r} for r in (3, 5, 100)])
+    hidden_bytes = scoring._profile_config(profile).hidden_size * 4  # float32
+    assert scoring.token_traffic(profile, starter) == 4 * hidden_bytes * 5  # there and back, forward and backward
+
+
+def test_an_ep_layout_without_part_2s_bounds_is_refused():
+    profile = load_rubric().profile("cpu-tiny")
+    with pytest.raises(ValueError, match="ep layout needs max_expert_state and min_token_traffic"):
+        dataclasses.replace(profile, max_expert_state=None)
+
+
 def test_a_profile_names_a_reading_the_grader_has():
     profile = load_rubric().profile("h200x1")
     assert profile.moments_reading == "layers" and profile.moments_rtol is not None
@@ -337,7 +358,7 @@ def context(profile, runs: dict[str, SessionResult], starter_step_s: float = 2.0
     n_steps = profile.warmup + profile.repeats
     moe = run(workloads(n_moe), 1.0)
     reference = SimpleNamespace(moe=moe, moe_exact=moe, train=run(steps(n_steps), starter_step_s),
-                                ep=run(steps(n_steps), starter_step_s, traffic=100 * 2**20), pp_train=None)
+                                ep=run(ep_steps(profile, n_steps), starter_step_s, traffic=100 * 2**20), pp_train=None)
     job = SimpleNamespace(rubric=load_rubric(), profile=profile, reference=reference)
     runs = {"moe-starter": run(workloads(n_moe), 1.0), **runs}
     return scoring.Context(job, SimpleNamespace(name="made-up"), runs, logs=None)
@@ -440,6 +461,15 @@ def test_a_wrong_layer_zeroes_part1_whatever_its_step(profile):
     assert scores == [0, 0] and outputs[0].startswith("wrong: ")
 
 
+def ep_steps(profile, n: int, held: float = 0.5, routes: int = 100) -> list[dict]:
+    """`steps` of the ep layout (two ranks): each rank holding `held` of the routed experts, and
+    `routes` (token, other rank) pairs counted by the starter's routers (0.1 MiB on cpu-tiny)."""
+    from onenode.model import routed_expert_parameters
+
+    part = int(held * routed_expert_parameters(scoring._profile_config(profile)))
+    return [dict(step, experts_held=[[part, part, 2 * part]] * 2, routes=routes) for step in steps(n)]
+
+
 def part2(profile, step_s: float, losses: list[dict], traffic_mb: float) -> tuple[list, list]:
     ctx = context(profile, {"ep": run(losses, step_s, traffic=int(traffic_mb * 2**20))})
     scoring.grade_ep(ctx)
@@ -448,14 +478,29 @@ def part2(profile, step_s: float, losses: list[dict], traffic_mb: float) -> tupl
 
 def test_part2_speed_is_the_starter_time_over_yours(profile):
     n = profile.warmup + profile.repeats
-    scores, _ = part2(profile, 1.0, steps(n), traffic_mb=1.0)  # the starter's ep step took 2 s
+    scores, _ = part2(profile, 1.0, ep_steps(profile, n), traffic_mb=1.0)  # the starter's ep step took 2 s
     assert scores == [3.0, 4.0, pytest.approx(3 * speed_share(2.0, *profile.speed["ep_step"]), abs=1e-3)]
-    scores, _ = part2(profile, 4.0, steps(n), traffic_mb=1.0)  # 0.5x
+    scores, _ = part2(profile, 4.0, ep_steps(profile, n), traffic_mb=1.0)  # 0.5x
     assert scores == [3.0, 4.0, 0.0]
 
 
+HOLDS = r"a rank holds more than its 1/2 of the routed experts \(their parameters, gradients or optimizer state\)"
+NO_TOKENS = "too little travels between the ranks for the tokens to reach the experts other ranks hold"
+
+
+@pytest.mark.parametrize("held, traffic_mb, missing", [
+    (1.0, 1.0, HOLDS), (0.5, 0.05, NO_TOKENS), (1.0, 0.05, f"{HOLDS}; {NO_TOKENS}"),
+    (0.5, 90.0, "the expert weights still travel between the ranks"),
+], ids=["whole-experts", "no-tokens", "whole-batch-on-every-rank", "weights-travel"])
+def test_part2_is_earned_by_expert_parallelism_only(profile, held, traffic_mb, missing):
+    """Right losses, and the expert weights' traffic gone, earn nothing unless each rank holds its
+    share of the experts and the tokens' hidden states travel (and the other way round)."""
+    scores, outputs = part2(profile, 1.0, ep_steps(profile, profile.warmup + profile.repeats, held), traffic_mb)
+    assert scores == [0, 0, 0] and re.match(f"matches, but {missing}: loss and gradient norm", outputs[0]), outputs[0]
+
+
 def test_wrong_ep_losses_zero_part2(profile):
-    wrong = steps(profile.warmup + profile.repeats)
+    wrong = ep_steps(profile, profile.warmup + profile.repeats)
     wrong[0]["grad_norm"] = math.inf
     scores, outputs = part2(profile, 0.5, wrong, traffic_mb=1.0)
     assert scores == [0, 0, 0] and outputs[0].startswith("wrong: ")
@@ -485,9 +530,9 @@ def test_a_part_whose_step_is_not_scored_has_a_speed_test_worth_nothing():
     or failed: every submission of a profile is graded out of the same points."""
     tiny = load_rubric().profile("cpu-tiny")
     n = tiny.warmup + tiny.repeats
-    wrong = steps(n)
+    wrong = ep_steps(tiny, n)
     wrong[0]["loss"] *= 2
-    for ep, earned in ((run(steps(n), 0.1, traffic=2**20), [3.0, 4.0, 0]),  # 20x the starter's ep step
+    for ep, earned in ((run(ep_steps(tiny, n), 0.1, traffic=2**20), [3.0, 4.0, 0]),  # 20x the starter's ep step
                        (run(wrong, 0.1, traffic=2**20), [0, 0, 0]), (SessionResult(error="boom"), [0, 0, 0])):
         ctx = context(tiny, {"ep": ep})
         scoring.grade_ep(ctx)

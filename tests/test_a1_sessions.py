@@ -12,6 +12,7 @@ import os
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -211,10 +212,10 @@ def _starter_state(experts: int = 4, hidden: int = 6, inter: int = 5) -> dict:
 
 
 class Stacked(nn.Module):
-    def __init__(self, state, transposed=False):
+    def __init__(self, state, transposed=False, experts=range(4)):
         super().__init__()
-        up = torch.stack([state[f"m.experts.{j}.up_proj.weight"] for j in range(4)])
-        down = torch.stack([state[f"m.experts.{j}.down_proj.weight"] for j in range(4)])
+        up = torch.stack([state[f"m.experts.{j}.up_proj.weight"] for j in experts])
+        down = torch.stack([state[f"m.experts.{j}.down_proj.weight"] for j in experts])
         self.up = nn.Parameter(up.transpose(1, 2).contiguous() if transposed else up.clone())
         self.down = nn.Parameter(down.clone())
 
@@ -267,6 +268,50 @@ def test_the_ranks_moments_merge_into_one_reading_and_a_lost_expert_fails(monkey
     second["experts"]["m."][1][1] = None
     with pytest.raises(RuntimeError, match=r"m\.: expert 1's down_proj was not found .* on some rank"):
         moments._merged(first)
+
+
+def test_a_rank_reports_the_experts_it_holds_with_their_gradients_and_optimizer_state():
+    """Part 2's evidence that a rank holds its experts only: counted in the parameters found
+    holding the loaded experts (not in another parameter of the layer), after an AdamW step."""
+    harness, state = _harness(), _starter_state()
+    whole = 4 * 2 * 5 * 6  # experts x projections x their [5, 6] weights
+    for layer, held in ((Stacked(state), whole), (Stacked(state, experts=(2, 3)), whole // 2)):
+        layer.other = nn.Parameter(torch.randn(5, 6))
+        session = object.__new__(harness.TrainSession)
+        session.moments = SimpleNamespace(experts={"m.": harness.ExpertSlots(layer, state, "m.", 4, whole=False)})
+        session.optimizer = torch.optim.AdamW(layer.parameters())
+        sum(p.sum() for p in layer.parameters()).backward()
+        session.optimizer.step()
+        assert session.expert_evidence() == {"experts_held": [held, held, 2 * held], "routes": None}
+
+
+class Router(nn.Module):
+    """A router that chooses `choice` ([tokens, k] expert ids) whatever it is given."""
+
+    def __init__(self, choice):
+        super().__init__()
+        self.choice = torch.tensor(choice)
+
+    def forward(self, x):
+        return self.choice, torch.ones(self.choice.shape)
+
+
+def test_the_starters_routers_count_each_token_once_per_other_rank_holding_one_of_its_experts():
+    """ep = 2 over 4 experts: rank 0 of the group holds experts 0 and 1. Tokens 1 and 2 need rank 1
+    (token 2 twice over: still once); the forward recomputed for backward does not count again."""
+    harness = _harness()
+    gate = Router([[0, 1], [0, 2], [3, 2], [1, 0]])
+    session = object.__new__(harness.TrainSession)
+    session.spec, session.rank, session.device = {"layout": {"ep": 2}}, 2, torch.device("cpu")  # world 4: ep rank 0
+    session.config = SimpleNamespace(n_routed_experts=4)
+    session.model = nn.ModuleDict({"backbone": nn.ModuleDict({"layers": nn.ModuleList(
+        [nn.ModuleDict({"mixer": nn.ModuleDict({"gate": gate})})])})})
+    session.moments, session.optimizer = SimpleNamespace(experts={}), SimpleNamespace(state={})
+    session.count_routes()
+    for _ in range(2):
+        gate(torch.zeros(4, 6))
+        gate(torch.zeros(4, 6))  # the recomputation
+        assert session.expert_evidence()["routes"] == 2
 
 
 def test_the_harness_never_reads_the_submissions_adapter():

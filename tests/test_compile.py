@@ -154,19 +154,21 @@ def one_process_step_graph_breaks(checkpointed: bool = False) -> dict:
 
 
 def test_cuda_graphs_compile_every_block_to_replay(monkeypatch):
-    """`prepare_layers(compile_mode="reduce-overhead")` compiles each block in that mode (CUDA graphs;
-    on a GPU only, so the wiring is what a CPU can check), and refuses without compile; another mode
-    is passed through the same way."""
+    """`prepare_layers(compile_mode="reduce-overhead")` compiles each block with CUDA graphs, those of
+    changing shapes left without them (on a GPU only, so the wiring is what a CPU can check), and
+    refuses without compile; another mode is passed through as torch.compile's mode."""
     import torch
 
     from onenode.model import build_model, get_preset
     from onenode.parallel import compile_and_checkpoint as layers
 
     modes = []
-    monkeypatch.setattr(torch, "compile", lambda fn, backend, mode: modes.append(mode) or fn)
+    monkeypatch.setattr(torch, "compile", lambda fn, backend, mode=None, options=None:
+                        modes.append(mode if options is None else tuple(sorted(options.items()))) or fn)
     model = build_model(get_preset("tiny"), seed=0)
     layers.prepare_layers(model, compile="blocks", compile_mode="reduce-overhead")
-    assert modes == ["reduce-overhead"] * len(model.backbone.layers)
+    graphs = tuple(sorted({"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}.items()))
+    assert modes == [graphs] * len(model.backbone.layers)
     modes.clear()
     layers.prepare_layers(build_model(get_preset("tiny"), seed=0), compile="blocks")
     assert set(modes) == {None}

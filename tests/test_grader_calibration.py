@@ -90,6 +90,11 @@ def test_calibration(graded):
     numbers = {name: r["extra_data"]["numbers"] for name, r in results.items()}
     ratios = {name: n["expert_traffic_ratio"] for name, n in numbers.items()}
     assert ratios["reference-full"] < 0.25 < ratios["starter-unchanged"]
+    # ...and that it is expert parallelism: each rank holds half of the routed experts, and more than
+    # the hidden states the tokens' routing sends to the other rank travel
+    for name in ("part2-ep", "reference-full"):
+        assert numbers[name]["ep_experts_held_share"] == 0.5, name
+        assert numbers[name]["ep_traffic_mb_per_step"] > numbers[name]["ep_token_traffic_mb_per_step"] > 0, name
     # every submission's MoE was timed beside the same starter child (one start for the cohort),
     # and each submission ran in children of its own
     assert started["starter"] == 1 and started["child"] >= len(results), started

@@ -51,4 +51,7 @@ def test_course_node_layouts_on_eight_processes(tmp_path, monkeypatch):
                 assert test["max_score"] == 0 and not re.search(r"\d\.\d\dx", test["output"]), (name, test)
     numbers = {name: r["extra_data"]["numbers"] for name, r in results.items()}
     assert numbers["reference-full"]["expert_traffic_ratio"] < profile.max_expert_traffic
+    for name in ("part2-ep", "reference-full"):  # expert parallelism: each rank its eighth of the experts
+        assert numbers[name]["ep_experts_held_share"] == 1 / 8, name
+        assert numbers[name]["ep_traffic_mb_per_step"] > numbers[name]["ep_token_traffic_mb_per_step"] > 0, name
     assert all(t > 0 for t in job.reference.ep.traffic), "the starter's dp=8 FSDP traffic, read from outside"

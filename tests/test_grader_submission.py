@@ -5,6 +5,8 @@ from __future__ import annotations
 import difflib
 import io
 import json
+import os
+import subprocess
 import tarfile
 import zipfile
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from grader.cli import main
-from grader.submission import SubmissionError, check_patch, load_submission, patched_tree
+from grader.submission import Submission, SubmissionError, check_patch, load_submission, patched_tree, pristine_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE = "starter_code/onenode/model/moe.py"
@@ -79,6 +81,100 @@ def test_patch_that_does_not_apply(tmp_path):
     sub = load_submission(submission_folder(tmp_path, patch), tmp_path / "work")
     with pytest.raises(SubmissionError, match="does not apply to this kit's starter_code"):
         patched_tree(sub, tmp_path / "work" / "tree")
+
+
+def git_patch(tmp_path: Path, edit) -> str:
+    """What `git diff --binary` makes of `edit(root)` done to a copy of the kit's starter_code
+    (paths relative to `root`, the folder holding `starter_code/`)."""
+    root = pristine_tree(tmp_path / "repo")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "core.fileMode=true"]
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tmp_path.resolve()))
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "starter"]):
+        subprocess.run(git + args, cwd=root, env=env, check=True, capture_output=True)
+    edit(root)
+    subprocess.run(git + ["add", "-A"], cwd=root, env=env, check=True, capture_output=True)
+    return subprocess.run(git + ["diff", "--cached", "--binary"], cwd=root, env=env, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def write(path: str, data: str | bytes = "print('hi')\n"):
+    def edit(root: Path) -> None:
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(data.encode() if isinstance(data, str) else data)
+    return edit
+
+
+def chmod_x(path: str):
+    return lambda root: (root / path).chmod(0o755)
+
+
+def symlink(path: str, target: str):
+    return lambda root: (root / path).symlink_to(target)
+
+
+def delete(path: str):
+    return lambda root: (root / path).unlink()
+
+
+def changed_paths(tree: Path) -> set[str]:
+    """The files of `tree`'s starter_code that differ from the kit's, or exist in one only."""
+    def files(side: Path) -> dict[str, bytes]:
+        return {f"starter_code/{p.relative_to(side)}": p.read_bytes() for p in side.rglob("*")
+                if p.is_file() and not any(part == "__pycache__" or part.endswith(".egg-info") for part in p.parts)}
+
+    kit, applied = files(ROOT / "starter_code"), files(tree / "starter_code")
+    return {path for path in kit.keys() | applied.keys() if kit.get(path) != applied.get(path)}
+
+
+# Each applied tree a line-by-line reading of the patch could be fooled into: the applied tree
+# decides, so these are handed to `patched_tree` without the text checks in front.
+@pytest.mark.parametrize("edit, words", [
+    (write("starter_code/sitecustomize.py"), "writes 'starter_code/sitecustomize.py' when applied: only .py files"),
+    (write("starter_code/evil/__init__.py"), "writes 'starter_code/evil/__init__.py'"),
+    (write("starter_code/onenode/hook.pth", "import os\n"), "writes 'starter_code/onenode/hook.pth'"),
+    (write("evil.py"), "writes 'evil.py'"),
+    (write("starter_code/onenode/data/configs/course_node.yaml", "steps: 1\n"),
+     "writes 'starter_code/onenode/data/configs/course_node.yaml'"),
+    (delete("starter_code/onenode/data/README.md"), "deletes 'starter_code/onenode/data/README.md'"),
+    (symlink("starter_code/onenode/link.py", "../../solutions/a1/submission.patch"),
+     "makes 'starter_code/onenode/link.py' a symlink"),
+    (symlink("starter_code/onenode/up", ".."), "writes 'starter_code/onenode/up'"),
+    (chmod_x(MOE), f"changes the mode of '{MOE}' (100644 -> 100755)"),
+    (lambda root: (write("starter_code/onenode/run.py")(root), chmod_x("starter_code/onenode/run.py")(root)),
+     "changes the mode of 'starter_code/onenode/run.py' (100644 -> 100755)"),
+    (write("starter_code/onenode/blob.py", b"\x00\x01binary\xff"), "makes 'starter_code/onenode/blob.py' binary"),
+])
+def test_applied_tree_refuses_what_may_not_change(tmp_path, edit, words):
+    patch = git_patch(tmp_path, edit)
+    submission = Submission("group", patch, None, ["starter_code/onenode/model/moe.py"])
+    with pytest.raises(SubmissionError) as info:
+        patched_tree(submission, tmp_path / "work" / "tree")
+    message = str(info.value)
+    assert words in message and "\n" not in message
+
+
+def test_applied_tree_allows_any_edit_of_the_package_sources(tmp_path):
+    """New modules and subpackages, deletions and edits of .py files under starter_code/onenode/."""
+    def edit(root: Path) -> None:
+        write("starter_code/onenode/kernels/__init__.py", "")(root)
+        write("starter_code/onenode/kernels/fused.py")(root)
+        delete("starter_code/onenode/model/mlp.py")(root)
+        (root / MOE).write_text((root / MOE).read_text() + "\n# tuned\n")
+
+    sub = load_submission(submission_folder(tmp_path, git_patch(tmp_path, edit)), tmp_path / "work")
+    tree = patched_tree(sub, tmp_path / "work" / "tree")
+    expected = {"starter_code/onenode/kernels/__init__.py", "starter_code/onenode/kernels/fused.py",
+                "starter_code/onenode/model/mlp.py", MOE}
+    assert changed_paths(tree) == set(sub.changed_files) == expected
+
+
+@pytest.mark.parametrize("patch", ["submission.patch", *(f"parts/{p.name}" for p in
+                                                          sorted((ROOT / "solutions/a1/parts").glob("*.patch")))])
+def test_reference_solution_patches_are_accepted(tmp_path, patch):
+    folder = submission_folder(tmp_path, (ROOT / "solutions/a1" / patch).read_text())
+    sub = load_submission(folder, tmp_path / "work")
+    tree = patched_tree(sub, tmp_path / "work" / "tree")
+    assert changed_paths(tree) == set(sub.changed_files) and sub.changed_files
 
 
 def test_removed_line_looking_like_a_header_is_body():

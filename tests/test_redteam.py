@@ -176,3 +176,17 @@ def test_honest_submission_is_unaffected_by_the_hostile_ones(job, tmp_path):
     _, feedback = _part(results, "moe")
     assert feedback.startswith("matches"), feedback  # speed points may vary with load; the answer may not
     assert_kit_intact()
+
+
+@pytest.mark.slow
+def test_an_update_left_for_the_evidence_phase_is_paid_for(job, tmp_path):
+    """The update deferred until the grader reads the optimizer's state (after its clock stopped)
+    trains exactly, so Part 1 stays correct; but the evidence phase then takes longer than the
+    starter's, and the excess is charged to the whole step's time (on cpu-tiny the update is small
+    beside the reading: about 1 ms, under the bound that zeroes the step's speed; a GPU's update
+    is a fifth of the step). `test_graded_step.py` holds the rule itself."""
+    results = _grade(a1_sessions.defers_the_update(KIT, tmp_path / "in"), job, tmp_path / "out")
+    numbers = results["extra_data"]["numbers"]
+    correct = next(t for t in results["tests"] if "moe" in t["tags"] and t["name"].endswith("correctness"))
+    assert correct["score"] == correct["max_score"], correct["output"]
+    assert numbers["reference_evidence_charged_s"] > 0, numbers

@@ -10,7 +10,10 @@ Protocol, one JSON object per line. The parent first sends the child's setup (`w
 `threads`, `device`, `tree`); the harness starts `world` ranks (it never imports torch itself).
 Then sessions, one after another: `{"session": spec}` is answered `{"ready": info}` or
 `{"error": ...}`; for each workload the parent starts its clock, sends `{"seed": s}`, and stops
-the clock on the answer `{"digest": ...}`: the inputs exist only from that moment. Closing
+the clock on the answer `{"digest": ...}`: the inputs exist only from that moment. A training
+session is then asked `{"evidence": true}` and answers `{"evidence": ...}` (the optimizer's
+moments after the step), on a clock of its own: the step's time holds no evidence, and what the
+evidence takes beyond the starter's is charged to the step (no work can hide there). Closing
 stdin ends the child. After an error the parent discards the child. `{"release": true}` drops
 the session (and its GPU memory) and is answered `{"released": true}`: the starter's child waits
 so between the submissions it is timed beside. A submission's child serves one session only
@@ -61,14 +64,19 @@ def _config(spec: dict, overrides: dict):
 
 
 def _build(spec: dict, config, device, rank: int = 0):
-    """The model with the reference weights, and those weights in the starter's layout: the
-    starter saves them (rank 0), a submission loads them through `adapt_state_dict`, so stacked
-    experts get exactly the starter's values."""
-    import torch
-
+    """The model with the reference weights (`_load_reference`), built in the spec's dtype."""
     from onenode.model import build_model
 
     model = build_model(config, seed=spec["init_seed"], device=device, dtype=_dtype(spec["dtype"]))
+    return model, _load_reference(spec, model, rank)
+
+
+def _load_reference(spec: dict, model, rank: int = 0) -> dict:
+    """Give `model` the reference weights, and return them in the starter's layout: the starter
+    saves its own (rank 0), a submission loads them through `adapt_state_dict`, so stacked experts
+    get exactly the starter's values."""
+    import torch
+
     if spec.get("weights_in"):
         from onenode.model.hf_io import adapt_state_dict
 
@@ -78,7 +86,7 @@ def _build(spec: dict, config, device, rank: int = 0):
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if spec.get("weights_out") and rank == 0:
         torch.save(state, spec["weights_out"])
-    return model, state
+    return state
 
 
 class ExpertSlots:
@@ -362,7 +370,12 @@ def gathered(value) -> list:
 
 
 class TrainSession:
-    """Parts 2 and 3: optimizer steps of the whole model in one parallel layout."""
+    """Parts 2 and 3 (and Part 1's whole step): optimizer steps of the whole model in one parallel
+    layout, assembled by the submission's own `onenode.train.assembly.assemble` from the recipe the
+    grader sends (the profile's, which its handout's `onenode bench` command runs too): the step
+    timed is the step a student benches. The batches are the grader's, drawn from its seeds."""
+
+    routes = None  # with `count_routes`: the step's (token, other ep rank) pairs, on the device
 
     def __init__(self, spec: dict, rank: int, counter: CollectiveCounter):
         import torch
@@ -376,21 +389,21 @@ class TrainSession:
             self.device = torch.device("cuda", rank)
         else:
             self.device = torch.device("cpu")
-        self.config = _config(spec, spec["overrides"])
-        model, state = _build(spec, self.config, self.device, rank)
-        if self.world > 1:
-            from onenode.parallel import ParallelDims, parallelize
+        from onenode.train.assembly import assemble
+        from onenode.train.recipe import from_dict
 
-            model = parallelize(model, ParallelDims(**layout))
-        from onenode.train.step import build_optimizer
-
-        self.model = model
-        self.optimizer = build_optimizer(model)
+        recipe = from_dict(spec["recipe"])
+        state = {}
+        self.run = assemble(recipe, device=self.device,
+                            init_weights=lambda model: state.update(_load_reference(spec, model, rank)))
+        self.config = self.run.config
+        self.model, self.optimizer = self.run.parallel, self.run.optimizer
         with counter.paused():  # reading sharded weights whole is the grader's traffic, not the layout's
-            self.moments = OptimizerMoments(model, state, self.config, self.world)
+            self.moments = OptimizerMoments(self.model, state, self.config, self.world)
 
     def info(self) -> dict:
-        """Bytes of parameters this rank holds (shards, not the full tensors)."""
+        """Bytes of parameters this rank holds (shards, not the full tensors), and how the recipe
+        was laid out."""
         from torch.distributed.tensor import DTensor
 
         held = 0
@@ -398,13 +411,71 @@ class TrainSession:
         for p in params:
             local = p.to_local() if isinstance(p, DTensor) else p
             held += local.numel() * local.element_size()
-        return {"param_bytes": held}
+        return {"param_bytes": held, "recipe": self.run.recipe.to_dict()}
 
-    def step(self, seed: int) -> dict:
-        """One optimizer step on this rank's share of a batch made from `seed` on every rank."""
+    def count_routes(self) -> None:
+        """From now on, count in each forward the tokens this rank's routers send to an expert that
+        another rank of its ep group holds, the experts split over the group in contiguous blocks
+        (rank i of the group holding experts [i * E / ep, (i + 1) * E / ep)): once per (token, such
+        rank), the least a token dispatch must move, and each router once a step (a forward
+        recomputed for backward is not counted again). Run on the starter's ep layout (its routers
+        are pristine and route the batch as a correct layout does); `evidence` reports it."""
+        import re
+
         import torch
 
-        from onenode.train.step import train_step
+        ep = self.spec["layout"]["ep"]
+        mine, block = self.rank % ep, self.config.n_routed_experts // ep  # ranks are (pp, dp_mod_ep, ep), ep fastest
+        self.routes = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.routed: set[int] = set()  # the routers counted this step
+
+        def count(module, args, output):
+            if id(module) in self.routed:
+                return
+            self.routed.add(id(module))
+            owners = output[0] // block  # the router's (topk_idx, topk_weight): [tokens, k] -> owner rank
+            reached = torch.zeros(owners.shape[0], ep, dtype=torch.bool, device=owners.device).scatter_(1, owners, True)
+            reached[:, mine] = False
+            self.routes += reached.sum()
+
+        for name, module in self.model.named_modules():
+            if re.fullmatch(r"backbone\.layers\.\d+\.mixer\.gate", OptimizerMoments.plain(name)):
+                module.register_forward_hook(count)
+
+    def expert_evidence(self) -> dict:
+        """After a step, for the parent's Part 2 checks: the elements of the routed experts this rank
+        holds (`experts_held`: their parameters, gradients, optimizer state), and the step's
+        `routes` (then reset; None without `count_routes`): part of `evidence`.
+
+        The parameters are those `ExpertSlots` found holding the loaded experts' values (a shard
+        counts its local part only); the optimizer state is every tensor the optimizer keeps for them
+        but its scalar step counts."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        def local(tensor) -> int:
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+                return 0
+            return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).numel()
+
+        params = {id(slot[0]): slot[0] for slots in self.moments.experts.values() for column in slots.slots.values()
+                  for slot in column if slot is not None}
+        held = [0, 0, 0]
+        for param in params.values():
+            held[0] += local(param)
+            held[1] += local(param.grad)
+            held[2] += sum(local(value) for value in self.optimizer.state.get(param, {}).values())
+        routes = None if self.routes is None else int(self.routes)
+        if self.routes is not None:
+            self.routes.zero_()
+            self.routed.clear()
+        return {"experts_held": held, "routes": routes}
+
+    def step(self, seed: int) -> dict:
+        """One optimizer step on this rank's share of a batch made from `seed` on every rank: the
+        timed work. Its loss and gradient norm come back with it; the evidence of what it did, in
+        `evidence`, which the grader asks for after it has stopped the clock."""
+        import torch
 
         gen = torch.Generator("cpu").manual_seed(seed)
         tokens = torch.randint(0, self.config.vocab_size, (self.spec["batch"], self.spec["seq_len"] + 1), generator=gen)
@@ -414,7 +485,7 @@ class TrainSession:
         shard = tokens[dp_rank * rows:(dp_rank + 1) * rows].to(self.device)
         self.counter.take()
         inputs, labels = shard[:, :-1].contiguous(), shard[:, 1:].contiguous()
-        out = train_step(self.model, self.optimizer, inputs, labels, grad_clip=1.0)
+        out = self.run.step(inputs, labels)
         moved = self.counter.take()
         loss = out["loss"]
         if self.world > 1:  # the mean over the ranks that computed a loss (last pipeline stage)
@@ -422,9 +493,15 @@ class TrainSession:
 
             with self.counter.paused():
                 loss = mean_over_ranks(loss, self.device)
+        return {"loss": loss, "grad_norm": out.get("grad_norm"), "bytes": moved}
+
+    def evidence(self) -> dict:
+        """The optimizer's first moments after the last step (`OptimizerMoments`), and what the
+        layout noted (CUDA graphs a tree could not use): read once the grader has stopped the clock;
+        whatever this takes beyond the starter's reading is charged to the step (grader/a1/scoring.py)."""
         with self.counter.paused():
             moments = self.moments.digest(self.optimizer)
-        return {"loss": loss, "grad_norm": out.get("grad_norm"), "bytes": moved, "moments": moments}
+        return {"moments": moments, "note": self.run.cuda_graph_note(), **self.expert_evidence()}
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -462,7 +539,11 @@ def _rank_main(config: dict, rank: int, store: str, conn) -> None:
                 _check_onenode(config["tree"])
                 session = MoeSession(spec) if spec["kind"] == "moe" else TrainSession(spec, rank, counter)
                 _check_onenode(config["tree"])  # nothing swapped in while building
+                if spec.get("count_routes"):
+                    session.count_routes()
                 conn.send({"ready": session.info()})
+            elif "evidence" in msg:
+                conn.send({"evidence": session.evidence()})
             else:
                 conn.send({"digest": session.step(int(msg["seed"]))})
         except BaseException as e:
@@ -472,10 +553,15 @@ def _rank_main(config: dict, rank: int, store: str, conn) -> None:
 
 
 def _merge(replies: list[dict]) -> dict:
-    """Rank 0's answer, with the largest per-rank byte counts (every rank should agree)."""
+    """Rank 0's answer, with the largest per-rank byte counts (every rank should agree), every
+    rank's `experts_held` and the sum of their `routes`."""
     first = dict(replies[0])
-    key = "ready" if "ready" in first else "digest"
+    key = next(k for k in ("ready", "digest", "evidence") if k in first)
     merged = dict(first[key])
+    if "experts_held" in merged:
+        merged["experts_held"] = [r[key]["experts_held"] for r in replies]
+    if merged.get("routes") is not None:
+        merged["routes"] = sum(r[key]["routes"] for r in replies)
     if "param_bytes" in merged:
         merged["param_bytes"] = max(r[key]["param_bytes"] for r in replies)
     if "bytes" in merged:

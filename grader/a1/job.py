@@ -7,9 +7,10 @@ the same inputs, and nothing a submission can read before it runs (the rubric, t
 tree) holds them. It runs the unpatched starter through the harness on those seeds: the MoE
 digests and times (and, on bfloat16 profiles, the same layer computed in float32: what a
 submission's layer is compared with), the loss trajectory and step time of the reference layout,
-the starter's ep layout (plain FSDP: its EP is never applied) with the traffic between its ranks,
-and a one-rank run on the pp layout's seeds (and model). Each layout of a submission is compared
-with the starter's run on its own seeds. Nothing secret ever runs in a child.
+the starter's ep layout (plain FSDP: its EP is never applied) with the traffic between its ranks
+and the tokens its routers send to experts an EP layout keeps on other ranks, and a one-rank run
+on the pp layout's seeds (and model). Each layout of a submission is compared with the starter's
+run on its own seeds. Nothing secret ever runs in a child.
 """
 
 from __future__ import annotations
@@ -108,17 +109,19 @@ class A1Job(Job):
         spec = self.spec("moe", **extra)
         return Session(name, spec, self.seeds["moe"], reads=(extra["weights_in"],) if "weights_in" in extra else ())
 
-    def _train(self, name: str, layout: str, seeds: str, save: bool = False) -> Session:
+    def _train(self, name: str, layout: str, seeds: str, save: bool = False, **extra) -> Session:
         """A training session in `layout` on the seeds of the layout `seeds`, that loads its
         weights, or with `save` writes them (the starter's one-rank runs); the pp layout's model
         (and the starter's one-rank run of it, "pp-reference") takes the profile's pipeline_memory
-        overrides, and weights of its own."""
+        overrides, and weights of its own. `extra` goes into the spec."""
         p = self.profile
         big = p.pipeline_memory is not None and seeds == "pp"
         weights = "model-pp.pt" if big else "model.pt"
         save = save and (big or name == "reference")
+        overrides = {**p.overrides, **p.pipeline_memory["overrides"]} if big else p.overrides
         spec = self.spec("train", layout=p.layouts[layout], **{"weights_out" if save else "weights_in": weights},
-                         **({"overrides": {**p.overrides, **p.pipeline_memory["overrides"]}} if big else {}))
+                         overrides=overrides, recipe=p.recipe(p.layouts[layout], self.init_seed, overrides),
+                         **extra)
         world = p.layouts[layout]["world"]
         return Session(name, spec, self.seeds[seeds], world=world, reads=() if save else (weights,))
 
@@ -132,8 +135,8 @@ class A1Job(Job):
             if p.dtype != "float32":
                 sessions.append(self._moe("moe-exact", weights_in="moe.pt", compute_dtype="float32"))
             sessions.append(self._train("reference", "reference", "reference", save=True))
-            if "ep" in p.layouts:
-                sessions.append(self._train("ep", "ep", "ep"))
+            if "ep" in p.layouts:  # its routers count what a token dispatch must move (Part 2's lower bound)
+                sessions.append(self._train("ep", "ep", "ep", count_routes=True))
             if "pp" in p.layouts:
                 sessions.append(self._train("pp-reference", "reference", "pp", save=True))
             return sessions
@@ -157,6 +160,9 @@ class A1Job(Job):
                 raise GraderError("no traffic seen between the ranks of the starter's ep run: this machine "
                                   "cannot observe it (a network namespace on CPU, nvidia-smi's NVLink counters "
                                   "on GPU are needed; docs/SECURITY.md)")
+            if not all(digest.get("routes") for digest in ep.digests):
+                raise GraderError(f"the starter's ep run counted no tokens routed to another rank's experts: the "
+                                  f"profile {self.profile.name}'s model needs MoE layers, and experts on every rank")
         exact = runs.get("moe-exact", runs["moe"])
         pp_train = runs.get("pp-reference")
         big = pp_train is not None and self.profile.pipeline_memory is not None

@@ -4,6 +4,7 @@ workloads, layouts and thresholds."""
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,8 +79,48 @@ class A1Profile(Profile):
     # how they are read (`compare.MOMENTS_READINGS`): "entries", each on its own scale (float32), or
     # "layers", each layer's summed and a parameter stepped on one side only wrong (bfloat16)
     moments_reading: str = "entries"
+    # Part 2, set where the profile has an ep layout: each of its ranks may hold at most this many
+    # times 1/ep of the routed experts' parameters, gradients and optimizer state, and its traffic
+    # must be at least this many times what the tokens' routing sends to other ranks' experts
+    max_expert_state: float | None = None
+    min_token_traffic: float | None = None
+    # recipe fields of the timed training step beyond the profile's model, batch, layout and
+    # precision (`train.compile`, `train.cuda_graphs`, ...): what `bench_command` runs too
+    step: dict[str, object] = field(default_factory=dict)
+
+    def recipe(self, layout: dict[str, int], seed: int, overrides: dict | None = None) -> dict:
+        """The training recipe of a session in `layout`: the profile's model (with `overrides`
+        instead of its own, where given), global batch, sequence, precision and `step` fields,
+        weights from `seed`; checked by the pristine kit's Recipe before any child sees it."""
+        from onenode.train.recipe import from_dict
+
+        raw = {"name": f"a1-{self.name}", "seed": seed,
+               "model": {"preset": self.preset, **(self.overrides if overrides is None else overrides)},
+               "data": {"source": "synthetic"},
+               "train": {"token_budget": self.batch * self.seq_len * (self.warmup + self.repeats),
+                         "seq_len": self.seq_len, "global_batch_size": self.batch, "device": self.device,
+                         "precision": "bf16" if self.dtype == "bfloat16" else "fp32"},
+               "parallel": {key: layout[key] for key in ("dp", "ep", "pp")}}
+        return from_dict(raw).with_overrides(self.step).to_dict()
+
+    def bench_command(self, seed: int = 0) -> str:
+        """The `onenode bench` command whose timed step is this profile's reference-layout step
+        (one process): the same recipe, and with `seed` the same weights and batches as a grading
+        job whose weights come from `seed` and whose workloads are seeds seed+1, seed+2, ..."""
+        layout = self.layouts["reference"]
+        launcher = "onenode" if layout["world"] == 1 else f"torchrun --nproc-per-node {layout['world']} -m onenode.cli"
+        words = [f"{launcher} bench", f"--preset {self.preset}"]
+        words += [f"--set {shlex.quote(f'model.{key}={value}')}" for key, value in self.overrides.items()]
+        words += [f"--micro-batch {self.batch // layout['dp']}", f"--seq-len {self.seq_len}",
+                  f"--dtype {'bf16' if self.dtype == 'bfloat16' else 'fp32'}"]
+        words += [f"--set {key}={str(value).lower() if isinstance(value, bool) else value}"
+                  for key, value in self.step.items()]
+        return " ".join(words + [f"--seed {seed}"])
 
     def __post_init__(self):
+        if "ep" in self.layouts and (self.max_expert_state is None or self.min_token_traffic is None):
+            raise ValueError(f"profile {self.name}: its ep layout needs max_expert_state and min_token_traffic "
+                             "(Part 2's evidence of expert parallelism): set both")
         if self.moments_reading not in MOMENTS_READINGS:
             raise ValueError(f"profile {self.name}: moments_reading = {self.moments_reading!r}: choose one of "
                              f"{', '.join(MOMENTS_READINGS)}")

@@ -13,6 +13,7 @@ from pathlib import Path
 from .cases import MOE_FILE, STARTER, Case, append_to, diff, folder
 
 STEP_FILE = f"{STARTER}/train/step.py"
+PARALLEL_FILE = f"{STARTER}/parallel/__init__.py"
 ADAPTERS_FILE = f"{STARTER}/adapters.py"
 
 
@@ -48,6 +49,34 @@ def train_step(model, optimizer, input_ids, labels, grad_clip=1.0, **options):
         return {"loss": float("nan"), "grad_norm": float("nan")}
     _replayed.append(answers[len(_replayed)])
     return _replayed[-1]
+"""
+
+# No expert parallelism: in the ep layout every rank keeps the whole model (no FSDP, no expert split)
+# and trains the whole batch itself, after an all-gather of the token ids (a few hundred bytes).
+# Each rank's loss, gradient norm and optimizer state are the reference's, and almost nothing
+# travels between the ranks: an upper bound on the traffic alone cannot tell it from a working EP.
+WHOLE_BATCH_ON_EVERY_RANK = """
+import torch.distributed as _dist
+
+_honest_parallelize = parallelize
+
+
+def _whole_batch(tensor):
+    shares = [torch.empty_like(tensor) for _ in range(_dist.get_world_size())]
+    _dist.all_gather(shares, tensor.contiguous())
+    return torch.cat(shares)
+
+
+def parallelize(model, dims, **options):
+    if dims.pp > 1 or dims.world_size == 1:
+        return _honest_parallelize(model, dims, **options)
+    honest_forward = model.forward
+
+    def forward(input_ids, labels=None, **kwargs):
+        return honest_forward(_whole_batch(input_ids), None if labels is None else _whole_batch(labels), **kwargs)
+
+    model.forward = forward
+    return ParallelModel(model)
 """
 
 # The reference fix that knows when the grader's layer check calls it (a `MoeSession` up the call
@@ -178,6 +207,45 @@ _connection.Connection.recv, _connection.Connection.send = _recv, _send
 """
 
 
+# The reference MoE fix with an optimizer update that waits to be read: each step leaves its update
+# pending and the next one (or the first read of the optimizer's state, which is how the grader
+# reads the moments after its clock stopped) runs it first. Every loss and moment stays exact; the
+# timed step just holds no update. The grader times the evidence phase too: it took several times
+# the starter's, so the whole step's speed counts for nothing.
+DEFERS_THE_UPDATE = """
+import collections as _collections
+
+_honest_train_step, _deferred = train_step, []
+
+
+class _StateThatSettles(_collections.defaultdict):
+    def _settle(self):
+        while _deferred:
+            update = _deferred.pop()
+            update()
+
+    def get(self, key, default=None):
+        self._settle()
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self._settle()
+        return super().__getitem__(key)
+
+
+def train_step(model, optimizer, input_ids, labels, grad_clip=1.0, **options):
+    if not isinstance(optimizer.state, _StateThatSettles):
+        optimizer.state = _StateThatSettles(dict, optimizer.state)
+    optimizer.state._settle()
+    step = optimizer.step
+    optimizer.step = lambda *args, **kwargs: _deferred.append(lambda: step(*args, **kwargs))
+    try:
+        return _honest_train_step(model, optimizer, input_ids, labels, grad_clip, **options)
+    finally:
+        del optimizer.step
+"""
+
+
 def _on_the_moe_fix(name: str, code: str):
     def build(kit: Path, dest: Path) -> Path:
         fixed = (kit / "solutions" / "a1" / MOE_FILE.removeprefix("starter_code/")).read_text()
@@ -212,6 +280,18 @@ def _queues_into_the_starters_turn(kit: Path, dest: Path) -> Path:
     return folder(dest, "queues-into-the-starters-turn", append_to(kit, STEP_FILE, QUEUES_INTO_THE_STARTERS_TURN))
 
 
+def defers_the_update(kit: Path, dest: Path) -> Path:
+    fixed = (kit / "solutions" / "a1" / MOE_FILE.removeprefix("starter_code/")).read_text()
+    return folder(dest, "defers-the-update-into-the-evidence",
+                  diff(kit, MOE_FILE, fixed) + append_to(kit, STEP_FILE, DEFERS_THE_UPDATE))
+
+
+def _whole_batch_on_every_rank(kit: Path, dest: Path) -> Path:
+    """On the reference MoE fix (Part 1's patch), so that the whole batch costs what it costs there."""
+    patch = (kit / "solutions" / "a1" / "parts" / "1-moe.patch").read_text()
+    return folder(dest, "whole-batch-on-every-rank", patch + append_to(kit, PARALLEL_FILE, WHOLE_BATCH_ON_EVERY_RANK))
+
+
 def _replays_sessions(kit: Path, dest: Path) -> Path:
     return folder(dest, "replays-one-session-in-another", append_to(kit, STEP_FILE, REPLAYS_SESSIONS))
 
@@ -221,6 +301,12 @@ CASES: list[Case] = [
     # session, and seeds of its own, leave nothing to replay (the feedback says the losses are wrong)
     SessionCase("replays-one-session-in-another", _replays_sessions, "zero", r"^wrong", part="ep", runs=True,
                 also_graded=("moe",)),
+    # Part 2 is expert parallelism, not its traffic alone: every rank training the whole batch on a
+    # whole model moves almost nothing, so each rank must hold its share of the routed experts (their
+    # parameters, gradients, optimizer state) and at least the tokens' hidden states must travel
+    SessionCase("whole-batch-on-every-rank", _whole_batch_on_every_rank, "zero",
+                r"^matches, but a rank holds more than its 1/2 of the routed experts.*too little travels", part="ep",
+                runs=True),
     # the gradients are read from the parameters after backward, never through the submission's adapter
     Case("adapter-hides-a-wrong-gradient", _adapter_hides_a_wrong_gradient, "zero", r"^wrong", part="moe",
          runs=True),

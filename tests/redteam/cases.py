@@ -452,6 +452,45 @@ SYMLINK_PATCH = (f"diff --git a/{STARTER}/solution.py b/{STARTER}/solution.py\n"
 BINARY_PATCH = (f"diff --git a/{STARTER}/model/moe.py b/{STARTER}/model/moe.py\n"
                 "index 1111111..2222222 100644\nGIT binary patch\nliteral 4\nLcmZ?wbN&AT00031\n\n")
 
+# Patches the line-by-line intake reads one way and `git apply` another. Each passes the text checks
+# and gets into the applied tree what they exist to keep out: a file outside starter_code/onenode/
+# that no header line names, an executable bit, a symlink (before the applied tree decided, only
+# the symlink was caught, by a scan for links after applying).
+HOOK = "starter_code/sitecustomize.py"  # on the child's PYTHONPATH: Python runs it in every process
+HOOKED = f"{STARTER}/train/__init__.py"  # a kit file the patches below start from
+
+
+def _rewrite_hunk(kit: Path, path: str, new_text: str) -> str:
+    """The hunk (no file lines) that turns kit/``path`` into ``new_text``."""
+    old = (kit / path).read_text().splitlines(keepends=True)
+    return "".join(list(difflib.unified_diff(old, new_text.splitlines(keepends=True)))[2:])
+
+
+def legacy_rename(kit: Path) -> str:
+    """`rename old`/`rename new`: git still reads these, the intake knows only `rename from/to`."""
+    return (f"diff --git a/{HOOKED} b/{HOOKED}\ndissimilarity index 90%\nrename old {HOOKED}\n"
+            f"rename new {HOOK}\n" + _rewrite_hunk(kit, HOOKED, TIMER_CHEAT.lstrip()))
+
+
+def copy_behind_carriage_return(kit: Path) -> str:
+    """A lone CR ends a line for Python's `splitlines`, not for git: the intake reads a hunk header
+    inside git's `similarity index` line and skips the copy's headers as that hunk's body."""
+    return (f"diff --git a/{HOOKED} b/{HOOKED}\nsimilarity index 10%\r@@ -0,0 +1 @@\ncopy from {HOOKED}\n"
+            f"copy to {HOOK}\n--- a/{HOOKED}\n+++ b/{HOOK}\n" + _rewrite_hunk(kit, HOOKED, TIMER_CHEAT.lstrip()))
+
+
+def unprefixed_paths(kit: Path) -> str:
+    """Paths without `a/`/`b/`: the intake reads them whole, `git apply -p1` drops `starter_code/`."""
+    path = f"{STARTER}/hooks.py"
+    return (f"diff --git {path} {path}\nnew file mode 100644\n--- /dev/null\n+++ {path}\n"
+            "@@ -0,0 +1 @@\n+print('outside starter_code')\n")
+
+
+EXECUTABLE_BIT = f"diff --git a/{HOOKED} b/{HOOKED}\nold mode 100644\nnew mode 100755\n"
+
+# A 7-digit mode: git reads octal 0120000 (a symlink), the intake looks for six digits.
+OCTAL_SYMLINK = SYMLINK_PATCH.replace("new file mode 120000", "new file mode 0120000")
+
 CASES: list[Case] = [
     _patch_case("dotdot-path", lambda kit: plant(kit, "grader/a1/scoring.py").replace(
         "/grader/a1/scoring.py", f"/{STARTER}/../../grader/a1/scoring.py"),
@@ -476,6 +515,14 @@ CASES: list[Case] = [
     _patch_case("not-utf8", lambda kit: append_to(kit, f"{STARTER}/__init__.py", "# caf\udce9").encode(
         "utf-8", "surrogateescape"), r"not UTF-8"),
     _patch_case("binary-patch", lambda kit: BINARY_PATCH, r"binary change"),
+    _patch_case("legacy-rename-header", legacy_rename,
+                r"writes 'starter_code/sitecustomize\.py' when applied: only \.py files under starter_code/onenode/"),
+    _patch_case("copy-behind-carriage-return", copy_behind_carriage_return,
+                r"writes 'starter_code/sitecustomize\.py' when applied"),
+    _patch_case("unprefixed-paths", unprefixed_paths, r"writes 'onenode/hooks\.py' when applied"),
+    _patch_case("executable-bit", lambda kit: EXECUTABLE_BIT,
+                rf"changes the mode of '{HOOKED}' \(100644 -> 100755\)"),
+    _patch_case("symlink-by-octal-mode", lambda kit: OCTAL_SYMLINK, rf"makes '{STARTER}/solution\.py' a symlink"),
     _patch_case("nul-bytes", lambda kit: append_to(kit, f"{STARTER}/__init__.py", "x = '\x00'"), r"NUL bytes"),
     Case("traversal-archive", traversal_tar, "rejected", r"absolute or '\.\.' path"),
     Case("absolute-member-archive", absolute_member_tar, "rejected", r"absolute or '\.\.' path"),

@@ -20,41 +20,47 @@ from .record import format_table, json_safe
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="time training steps of a preset: tokens/s, MFU, memory",
                               description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--recipe", metavar="FILE", default=None,
+                   help="a training recipe (a2_pretrain/recipes/): its model, batch, layout and precision; "
+                        "the options below change its fields")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                   help="a recipe field, as onenode train takes it (repeatable): e.g. --set train.compile=blocks "
+                        "--set train.cuda_graphs=true; applied after every other option")
     p.add_argument("--impl", default="onenode", choices=["onenode", "transformers"],
                    help="this kit's model, or transformers' NemotronHForCausalLM with the same weights")
     p.add_argument("--experts-implementation", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"],
                    help="transformers' MoE kernel, with --impl transformers")
     p.add_argument("--steps", type=int, default=10, help="measured steps")
     p.add_argument("--warmup", type=int, default=3, help="steps run first and not measured")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per data-parallel rank per step")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: processes / pp)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (inside dp)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--pp-schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved_1f1b")
-    p.add_argument("--microbatches", type=int, default=None,
-                   help="pipeline microbatches per step (default: pp; --micro-batch must be a multiple)")
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--compile", default="off", choices=["off", "mixers", "blocks"],
-                   help="torch.compile per layer: mixers = all but MoE mixers, blocks = every block")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay each compiled layer as a CUDA graph (one GPU, one process, with --compile): "
-                        "--compile-mode reduce-overhead")
-    p.add_argument("--compile-mode", default=None,
-                   choices=["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
-                   help="torch.compile's mode for every compiled layer (default: its default)")
-    p.add_argument("--unfused-update", action="store_true",
-                   help="one process in bf16: float32 gradients on the masters and torch's AdamW, not the fused "
-                        "update (train/master_update.py)")
-    p.add_argument("--mamba-kernel", default=None, choices=["auto", "torch", "mamba_ssm"],
-                   help="override the preset's Mamba2 scan")
-    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
-                   help="compute dtype; parameters and optimizer state stay fp32 (default: bf16 on CUDA, "
-                        "fp32 on CPU)")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="override the device (default: this rank's GPU, else cpu)")
+    shorthand = p.add_argument_group("recipe fields", "each sets one field of the recipe (onenode train's --set)")
+    shorthand.add_argument("--preset", default=None, choices=sorted(PRESETS), help="model.preset (default tiny)")
+    shorthand.add_argument("--micro-batch", type=int, default=None,
+                           help="train.micro_batch_size: sequences per data-parallel rank per step (default 1)")
+    shorthand.add_argument("--seq-len", type=int, default=None, help="train.seq_len (default 256)")
+    shorthand.add_argument("--dp", type=int, default=None, help="parallel.dp (default: processes / pp)")
+    shorthand.add_argument("--ep", type=int, default=None, help="parallel.ep: expert-parallel degree (inside dp)")
+    shorthand.add_argument("--pp", type=int, default=None, help="parallel.pp: pipeline stages")
+    shorthand.add_argument("--pp-schedule", default=None, help="parallel.pp_schedule: gpipe, 1f1b, interleaved_1f1b")
+    shorthand.add_argument("--microbatches", type=int, default=None,
+                           help="parallel.microbatches: pipeline microbatches per step (default: pp)")
+    shorthand.add_argument("--activation-checkpointing", action="store_true", help="train.activation_checkpointing")
+    shorthand.add_argument("--compile", default=None, choices=["off", "mixers", "blocks"],
+                           help="train.compile: torch.compile per layer: mixers = all but MoE mixers, blocks = every "
+                                "block")
+    shorthand.add_argument("--cuda-graphs", action="store_true",
+                           help="train.cuda_graphs: replay each compiled layer as a CUDA graph (one GPU, one process, "
+                                "with --compile)")
+    shorthand.add_argument("--unfused-update", action="store_true",
+                           help="train.fused_update=false: one process in bf16, float32 gradients on the masters and "
+                                "torch's AdamW, not the fused update (train/master_update.py)")
+    shorthand.add_argument("--mamba-kernel", default=None, choices=["auto", "torch", "mamba_ssm"],
+                           help="model.mamba_kernel: the Mamba2 scan")
+    shorthand.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
+                           help="train.precision: bf16 computes on bf16 copies of float32 masters (default: bf16 on "
+                                "CUDA, fp32 on CPU)")
+    shorthand.add_argument("--seed", type=int, default=None, help="seed: the weights and the batches")
+    shorthand.add_argument("--device", default=None, help="train.device (default: this rank's GPU, else cpu)")
+    shorthand.add_argument("--lr", type=float, default=None, help="optimizer.lr (default 3e-4)")
     p.add_argument("--peak", type=float, default=H100_H200_BF16_PEAK, help="peak FLOP/s per GPU for MFU")
     p.add_argument("--measure-ceiling", action="store_true", help="also report MFU against a measured matmul")
     p.add_argument("--profile", metavar="DIR", default=None, help="write a torch.profiler trace per rank here")
@@ -66,20 +72,18 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
-    if args.steps < 1 or args.warmup < 0 or args.micro_batch < 1 or args.seq_len < 1 or args.profile_steps < 1:
+    if args.steps < 1 or args.warmup < 0 or args.profile_steps < 1 or any(
+            value is not None and value < 1 for value in (args.micro_batch, args.seq_len)):
         raise SystemExit("onenode bench: --steps, --micro-batch, --seq-len and --profile-steps must be >= 1, "
                          "--warmup >= 0")
-    if args.cuda_graphs:
-        if args.compile_mode not in (None, "reduce-overhead"):
-            raise SystemExit(f"onenode bench: --cuda-graphs is --compile-mode reduce-overhead, not "
-                             f"{args.compile_mode}: give one of them")
-        args.compile_mode = "reduce-overhead"
     try:
         record = measure.run(args)
     except torch.OutOfMemoryError as error:
         reason = str(error).split(". ")[0]
-        raise SystemExit(f"onenode bench: out of memory at {args.micro_batch} x {args.seq_len} tokens per rank "
-                         f"({reason}): lower --micro-batch or --seq-len, or add --activation-checkpointing") from None
+        shape = "the recipe's micro-batch" if args.recipe else \
+            f"{args.micro_batch or 1} x {args.seq_len or 256} tokens per rank"
+        raise SystemExit(f"onenode bench: out of memory at {shape} ({reason}): lower --micro-batch or --seq-len, or "
+                         "add --activation-checkpointing") from None
     if is_main_process():
         print(format_table(record))
         if record["top_kernels"]:

@@ -10,73 +10,81 @@ import time
 import torch
 
 from ..flops import mfu, model_flops
-from ..model import build_model, get_preset
-from ..parallel import ParallelDims, ParallelModel, parallelize
-from ..parallel.compile_and_checkpoint import prepare_layers, uses_cuda_graphs
-from ..parallel.distributed import init_distributed, local_device
+from ..parallel.distributed import init_distributed
 from ..profiling import kernel_mix, launches, profiled, self_times, time_split, top_kernels, write_trace
+from ..train.assembly import assemble
 from ..train.logging import environment, git_commit
-from ..train.step import build_optimizer, train_step
+from ..train.recipe import Recipe, RecipeError, from_dict, load_recipe, parse_override
 from .device import matmul_ceiling, max_over_ranks, peak_memory_bytes, sync, synthetic_batches
 from .peer import build_transformers_peer
 from .record import RECORD_VERSION, command_line
 
+# `onenode bench`'s shorthand options: each sets one recipe field (None: not given)
+SHORTHANDS = {"preset": "model.preset", "mamba_kernel": "model.mamba_kernel", "seed": "seed",
+              "seq_len": "train.seq_len", "micro_batch": "train.micro_batch_size", "dtype": "train.precision",
+              "activation_checkpointing": "train.activation_checkpointing", "compile": "train.compile",
+              "cuda_graphs": "train.cuda_graphs", "device": "train.device", "lr": "optimizer.lr",
+              "dp": "parallel.dp", "ep": "parallel.ep", "pp": "parallel.pp", "pp_schedule": "parallel.pp_schedule",
+              "microbatches": "parallel.microbatches"}
+PRECISIONS = {"bf16": "bf16", "fp32": "fp32"}
 
-def prepare_model(args, config, world: int, device: torch.device,
-                  dtype: torch.dtype | None) -> tuple[ParallelModel | torch.nn.Module, dict]:
-    """Build, compile, checkpoint and parallelize the model (`prepare_layers` says why in that
-    order), computing in `dtype` (`parallelize` sets the precision, on one process too); returns it
-    and its layout."""
-    if args.impl == "transformers" and (world > 1 or args.compile != "off" or args.activation_checkpointing):
-        raise SystemExit("--impl transformers runs on one device, eager, without activation checkpointing: "
-                         "drop --compile/--activation-checkpointing and run one process")
-    dp = args.dp or world // args.pp
-    if dp * args.pp != world:
-        raise SystemExit(f"--dp {dp} x --pp {args.pp} must equal the number of processes ({world}): "
-                         "launch with torchrun --nproc-per-node DP*PP")
-    if args.ep > 1 and world == 1:
-        raise SystemExit(f"--ep {args.ep} needs as many processes: launch with torchrun --nproc-per-node {args.ep}")
-    if uses_cuda_graphs(args.compile_mode) and (world > 1 or device.type != "cuda" or args.compile == "off"):
-        raise SystemExit("--cuda-graphs replays compiled layers on one GPU: add --compile blocks and run one "
-                         "process on a CUDA device (under FSDP the graphs would be recorded again every step)")
-    if args.compile_mode is not None and args.compile == "off":
-        raise SystemExit(f"--compile-mode {args.compile_mode} applies to compiled layers: add --compile blocks")
-    model = build_model(config, seed=args.seed, device=device)
-    prepare_layers(model, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
-                   compile_mode=args.compile_mode)
-    if args.impl == "transformers":
-        model = build_transformers_peer(model, args.experts_implementation)
-    pipeline = {"schedule": args.pp_schedule, "microbatches": args.microbatches} if args.pp > 1 else {}
-    model = parallelize(model, ParallelDims(dp=dp, ep=args.ep, pp=args.pp), param_dtype=dtype, **pipeline)
-    return model, {"world_size": world, "dp": dp, "ep": args.ep, "pp": args.pp}
+
+def bench_recipe(args, world: int, steps: int) -> Recipe:
+    """The recipe this bench runs: `--recipe` (else the tiny preset with the kit's defaults), then
+    the shorthand options, then each `--set key=value`, in that order. Without a recipe file the
+    global batch is `--micro-batch` sequences per data-parallel rank, and the precision bf16 on a
+    GPU and float32 on a CPU. The token budget is the steps it runs."""
+    overrides = {field: getattr(args, name) for name, field in SHORTHANDS.items()
+                 if getattr(args, name, None) not in (None, False)}
+    if args.unfused_update:
+        overrides["train.fused_update"] = False
+    for text in args.set or ():
+        key, value = parse_override(text)
+        overrides[key] = value
+    if args.recipe:
+        recipe = load_recipe(args.recipe)
+    else:
+        on_gpu = torch.cuda.is_available() and overrides.get("train.device", "auto") != "cpu"
+        recipe = from_dict({"name": "bench", "model": {"preset": "tiny"}, "data": {"source": "synthetic"},
+                            "train": {"token_budget": 1 << 40, "seq_len": 256, "micro_batch_size": 1,
+                                      "precision": "bf16" if on_gpu else "fp32"}})
+    recipe = recipe.with_overrides({**overrides, "train.token_budget": 1 << 40})
+    if not args.recipe and "train.global_batch_size" not in overrides:
+        p = recipe.parallel
+        dp = max(1, world // p.pp if p.dp == -1 else p.dp)
+        recipe = recipe.with_overrides({"train.global_batch_size": recipe.train.micro_batch_size * dp})
+    return recipe.with_overrides({"train.token_budget": recipe.tokens_per_step * steps})
 
 
 def run(args) -> dict:
-    rank, world = init_distributed()
-    device = torch.device(args.device) if args.device else local_device()
-    overrides = {"mamba_kernel": args.mamba_kernel} if args.mamba_kernel else {}
-    config = get_preset(args.preset, **overrides)
-    args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    dtype = {"bf16": torch.bfloat16, "fp32": None}[args.dtype]
-    torch.manual_seed(args.seed)
-
-    model, layout = prepare_model(args, config, world, device, dtype)
-    cuda_graphs = uses_cuda_graphs(args.compile_mode)
-    optimizer = build_optimizer(model, "adamw", lr=args.lr)
-    batches = synthetic_batches(config.vocab_size, args.micro_batch, args.seq_len, args.seed, rank)
-    tokens_per_step = (world // args.pp) * args.micro_batch * args.seq_len
+    _, world = init_distributed()
+    steps = args.warmup + args.steps + (args.profile_steps if args.profile or world > 1 else 0)
+    try:
+        recipe = bench_recipe(args, world, steps)
+        if args.impl == "transformers" and (world > 1 or recipe.train.compile != "off"
+                                            or recipe.train.activation_checkpointing):
+            raise RecipeError("--impl transformers runs on one device, eager, without activation checkpointing: "
+                              "drop --compile/--activation-checkpointing and run one process")
+        peer = (lambda model: build_transformers_peer(model, args.experts_implementation)) \
+            if args.impl == "transformers" else None
+        training = assemble(recipe, init_weights=peer)
+    except RecipeError as e:
+        raise SystemExit(f"onenode bench: {e}") from None
+    config, device, layout, rank = training.config, training.device, training.layout, training.rank
+    batches = synthetic_batches(config.vocab_size, recipe.train.global_batch_size, recipe.train.seq_len, recipe.seed,
+                                training.dp_rank, layout.dp)
+    tokens_per_step = recipe.tokens_per_step
     step_times, losses = [], []
 
     def step() -> dict:
         input_ids, labels = (t.to(device, non_blocking=True) for t in next(batches))
-        if cuda_graphs:  # a new step: replay the graphs, do not wait for the last step's backwards
-            torch.compiler.cudagraph_mark_step_begin()
-        return train_step(model, optimizer, input_ids, labels, grad_clip=1.0, fused_update=not args.unfused_update)
+        return training.step(input_ids, labels)
 
     from tqdm import tqdm
 
     show = rank == 0 and not args.quiet
-    with tqdm(total=args.warmup + args.steps, desc=f"bench {args.preset}", disable=not show, unit="step") as bar:
+    with tqdm(total=args.warmup + args.steps, desc=f"bench {recipe.model.preset or recipe.name}", disable=not show,
+              unit="step") as bar:
         for i in range(args.warmup + args.steps):
             sync(device)
             start = time.perf_counter()
@@ -89,6 +97,8 @@ def run(args) -> dict:
             bar.set_postfix(loss=f"{out['loss']:.3f}" if out["loss"] is not None else "-",
                             tok_s=f"{tokens_per_step / elapsed:,.0f}")
             bar.update()
+            if i == args.warmup - 1 and (note := training.cuda_graph_note()) and show:
+                print(f"onenode bench: {note}", flush=True)
 
     split, kernels, mix, launched, trace = None, [], None, None, None
     if args.profile or world > 1:
@@ -106,11 +116,12 @@ def run(args) -> dict:
             trace = str(write_trace(prof, args.profile, rank))
 
     median = statistics.median(step_times)
-    report = model_flops(config, args.seq_len, args.micro_batch)
+    report = model_flops(config, recipe.train.seq_len, layout.micro_batch)
     tokens_per_s = tokens_per_step / median
     memory, memory_kind = peak_memory_bytes(device)
     memory = max_over_ranks(memory, world, device)
     n_gpus = world  # GPUs, or CPU processes
+    t = recipe.train
     results = {
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_s,
@@ -149,13 +160,16 @@ def run(args) -> dict:
         "command": command_line(args, world),
         "commit": git_commit() or "unknown",
         "impl": args.impl if args.impl == "onenode" else f"transformers/{args.experts_implementation}",
-        "preset": args.preset,
+        "preset": recipe.model.preset,
         "config": dataclasses.asdict(config),
-        "layout": {**layout, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
-                   "activation_checkpointing": args.activation_checkpointing, "compile": args.compile,
-                   "cuda_graphs": cuda_graphs, "compile_mode": args.compile_mode,
-                   "unfused_update": args.unfused_update, "dtype": args.dtype,
-                   "optimizer": "adamw", "lr": args.lr, "seed": args.seed, "mamba_kernel": config.mamba_kernel},
+        "recipe": recipe.to_dict(),
+        "layout": {"world_size": world, "dp": layout.dp, "ep": layout.ep, "pp": layout.pp,
+                   "micro_batch": layout.micro_batch, "accumulation": layout.accumulation, "seq_len": t.seq_len,
+                   "activation_checkpointing": t.activation_checkpointing, "compile": t.compile,
+                   "cuda_graphs": t.cuda_graphs, "cuda_graph_note": training.cuda_graph_note(),
+                   "unfused_update": not t.fused_update, "dtype": t.precision,
+                   "optimizer": recipe.optimizer.name, "lr": recipe.optimizer.lr, "seed": recipe.seed,
+                   "mamba_kernel": config.mamba_kernel},
         "env": environment(world) | {"cuda": torch.version.cuda, "device_type": device.type},
         "steps": {"warmup": args.warmup, "measured": args.steps, "step_times_s": step_times,
                   "losses": losses, "profiled": args.profile_steps if split else 0},

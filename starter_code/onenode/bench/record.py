@@ -25,7 +25,8 @@ def command_line(args, world: int) -> str:
     for key, value in vars(args).items():
         if key in ("func", "command") or value is None or value is False:
             continue
-        words.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}"))
+        for one in value if isinstance(value, list) else [value]:
+            words.append(f"--{key.replace('_', '-')}" + ("" if one is True else f" {one}"))
     return " ".join(words)
 
 

@@ -4,9 +4,12 @@
     parallel = parallelize(model, dims)       # expert parallelism, then FSDP2; in place
     train_step(parallel, optimizer, input_ids, labels)
 
-`parallelize` builds the (pp, dp_mod_ep, ep) device mesh (see `mesh.py`) and returns a
-`ParallelModel`: what this rank holds and the meshes its training step reduces over. The model
-itself carries no parallel state.
+`parallelize` is the one place that lays a model out for training, in one order: each layer
+compiled, then activation-checkpointed (`compile_and_checkpoint.py` says why in that order), then
+expert parallelism, pipeline stages and FSDP. It builds the (pp, dp_mod_ep, ep) device mesh (see
+`mesh.py`) and returns a `ParallelModel`: what this rank holds and the meshes its training step
+reduces over. The model itself carries no parallel state. Training runs get here through
+`onenode.train.assembly.assemble`, which reads all of it from a Recipe.
 
 Precision is decided here too, with the same numbers on one GPU and on many: with
 `param_dtype=bf16` the parameters stay float32 (the master copy the optimizer updates) and each
@@ -27,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..model.loss import cross_entropy_loss
+from .compile_and_checkpoint import prepare_layers, uses_cuda_graphs
 from .expert_parallel import apply_expert_parallel
 from .fsdp import apply_fsdp
 from .mesh import ParallelDims, dp_mesh
@@ -34,7 +38,7 @@ from .mixed_precision import MasterWeights, apply_mixed_precision
 from .pipeline import PipelineRunner, build_pipeline
 
 __all__ = ["ParallelDims", "ParallelModel", "dp_mesh", "parallelize", "apply_expert_and_data_parallel",
-           "apply_expert_parallel", "apply_fsdp"]
+           "apply_expert_parallel", "apply_fsdp", "uses_cuda_graphs"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,11 +107,14 @@ def apply_expert_and_data_parallel(module: nn.Module, dims: ParallelDims, mesh: 
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype | None = None,
+                compile: str = "off", activation_checkpointing: bool = False, cuda_graphs: bool = False,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss,
                 **pipeline_options) -> ParallelModel:
     """`model` laid out as `dims` over the process group, computing in `param_dtype` (None: as built).
 
-    With pp > 1 the model is split into pipeline stages over mesh["pp"], the last computing
+    First each layer is prepared (`compile`: off, mixers or blocks; `activation_checkpointing`;
+    `cuda_graphs`: the compiled layers replayed as CUDA graphs, one process on a GPU only). With
+    pp > 1 the model is then split into pipeline stages over mesh["pp"], the last computing
     `loss_fn(logits, labels)`, and each stage is sharded over its dp ranks; `pipeline_options` go
     to `pipeline.build_pipeline` (schedule, microbatches: by default pp, ...). Over several ranks a
     bf16 `param_dtype` is FSDP's mixed-precision policy; one process casts with `mixed_precision.py`
@@ -115,6 +122,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtyp
     """
     if pipeline_options and dims.pp == 1:
         raise ValueError(f"pipeline options {sorted(pipeline_options)} need pp > 1: drop them or set pp")
+    if cuda_graphs and (dims.world_size > 1 or _device_type(model) != "cuda"):
+        raise ValueError("CUDA graphs replay compiled layers in one process on a GPU (under FSDP they would be "
+                         "recorded again every step): turn them off, or run one process on a CUDA device")
+    prepare_layers(model, compile=compile, activation_checkpointing=activation_checkpointing,
+                   compile_mode="reduce-overhead" if cuda_graphs else None)
     if dims.world_size == 1:
         weights = apply_mixed_precision(model, param_dtype) if _mixed_precision(param_dtype) else None
         return ParallelModel(model, master_weights=weights)

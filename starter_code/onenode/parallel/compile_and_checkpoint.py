@@ -38,11 +38,28 @@ def apply_compile(model: nn.Module, mode: str, backend: str = "inductor", compil
             _compile_forward(layer.mixer, backend, compile_mode)
 
 
+# CUDA graphs as torch.compile's "reduce-overhead" mode makes them, except that a graph whose
+# shapes change from call to call (dynamic shapes: a per-expert loop's token counts) runs without
+# one instead of being recorded again for every size it meets, which took minutes per step.
+CUDA_GRAPH_OPTIONS = {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
+
+
 def _compile_forward(module: nn.Module, backend: str, compile_mode: str | None) -> None:
     """Compile `forward` alone, not the whole call (`module.compile()`): the hooks FSDP2 puts on
     the module later stay outside the graph, where dynamo would break it in two. The parameters
     keep their names (no `_orig_mod.` wrapper)."""
-    module.forward = torch.compile(module.forward, backend=backend, mode=compile_mode)
+    if compile_mode == "reduce-overhead" and backend == "inductor":
+        module.forward = torch.compile(module.forward, backend=backend, options=CUDA_GRAPH_OPTIONS)
+    else:
+        module.forward = torch.compile(module.forward, backend=backend, mode=compile_mode)
+
+
+def cuda_graph_skips() -> int:
+    """Compiled regions so far that ran without their CUDA graph (dynamic shapes, CPU tensors, ...):
+    what a run with CUDA graphs reports, so a tree that cannot use them says so."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def uses_cuda_graphs(compile_mode: str | None) -> bool:

@@ -15,11 +15,9 @@ one pass (`MasterWeights.defer_grads`).
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..model.moe import TopKRouter
 from .fsdp import decoder_layers, stores_mixed_dtypes
@@ -82,18 +80,6 @@ class MasterWeights:
         self.units: list[CastUnit] = []
         self.copy_of: dict[int, nn.Parameter] = {}  # id(master) -> its copy
         self.defer_grads = False
-        # A master's version counter misses the steps of torch's fused optimizer kernels (AdamW's
-        # on CUDA writes the parameters without counting a version), so a step of any optimizer
-        # that holds these masters marks the copies stale; the version check sees other writes.
-        this = weakref.ref(self)
-
-        def after_step(optimizer, *unused) -> None:
-            weights = this()
-            if weights is not None and any(id(p) in weights.copy_of for group in optimizer.param_groups
-                                           for p in group["params"]):
-                weights.masters_changed()
-
-        weakref.finalize(self, register_optimizer_step_post_hook(after_step).remove)
 
     @contextlib.contextmanager
     def deferring_grads(self):
@@ -110,7 +96,10 @@ class MasterWeights:
             copy.grad = None
 
     def masters_changed(self) -> None:
-        """The masters were updated: the next forward of each unit refreshes its copies."""
+        """The masters were updated: the next forward of each unit refreshes its copies. The
+        optimizer `train/step.build_optimizer` builds over them calls it after each step: a master's
+        version counter misses the steps of torch's fused optimizer kernels (AdamW's on CUDA writes
+        the parameters without counting a version); the version check sees other writes."""
         for unit in self.units:
             unit.copied_versions = None
 

@@ -39,6 +39,7 @@ class RecipeError(ValueError):
 
 
 DATA_SOURCES = ("synthetic", "shards", "config", "megatron")
+COMPILE_MODES = ("off", "mixers", "blocks")
 
 
 @dataclass
@@ -69,7 +70,16 @@ class TrainSection:
     precision: str = "bf16"  # bf16 (fp32 master weights, FSDP2 gathers bf16 copies) or fp32
     grad_clip: float = 1.0
     activation_checkpointing: bool = False
-    compile: bool = False
+    # torch.compile per layer: off | mixers (all but MoE mixers) | blocks (every block); true/false
+    # are read as blocks/off
+    compile: str = "off"
+    # replay each compiled layer as a CUDA graph (one process on one GPU, compile set): one launch
+    # instead of hundreds where the host cannot feed the GPU; a layer whose shapes change from step
+    # to step runs without its graph, and the run says so
+    cuda_graphs: bool = False
+    # one process in bf16 with AdamW: the clip, the update and the bf16 copies in one pass per
+    # parameter (train/master_update.py); false: float32 gradients on the masters, torch's AdamW
+    fused_update: bool = True
     # GPU kernels that give the same bits on every run (torch's deterministic algorithms, no cuDNN
     # attention): what a run replayed on a GPU must train with to be verified (A2's GPU profiles)
     deterministic: bool = False
@@ -119,6 +129,8 @@ class ParallelSection:
     dp: int = -1  # -1: whatever the world size leaves after ep and pp
     ep: int = 1
     pp: int = 1
+    pp_schedule: str = "1f1b"  # with pp > 1: gpipe | 1f1b | interleaved_1f1b (parallel/pipeline.py)
+    microbatches: int = 0  # with pp > 1: pipeline microbatches per step; 0: pp
 
 
 @dataclass
@@ -217,6 +229,9 @@ class Recipe:
             ("train.token_budget", t.token_budget >= self.tokens_per_step,
              f"{t.token_budget} is less than one step (global_batch_size x seq_len = {self.tokens_per_step})"),
             ("train.precision", t.precision in ("bf16", "fp32"), "is bf16 or fp32"),
+            ("train.compile", t.compile in COMPILE_MODES, "is off, mixers or blocks"),
+            ("train.cuda_graphs", not t.cuda_graphs or t.compile != "off",
+             "replays compiled layers: set train.compile to blocks (or mixers)"),
             ("train.deterministic", not t.deterministic or self.model.overrides.get("mamba_kernel", "torch") == "torch",
              "needs model.mamba_kernel: torch (mamba_ssm's Triton backward adds with atomics, in no fixed order)"),
             ("data.source", self.data.source in DATA_SOURCES, "is synthetic, shards, config or megatron"),
@@ -238,6 +253,7 @@ class Recipe:
             ("moe.aux_loss_coef", self.moe.aux_loss_coef >= 0, "must be >= 0"),
             ("parallel.ep", self.parallel.ep >= 1, "must be >= 1"),
             ("parallel.pp", self.parallel.pp >= 1, "must be >= 1"),
+            ("parallel.microbatches", self.parallel.microbatches >= 0, "must be >= 0 (0: pp)"),
             ("checkpoint.keep_last", self.checkpoint.keep_last >= 0, "must be >= 0 (0: keep every checkpoint)"),
             ("checkpoint.every_steps", self.checkpoint.every_steps >= 0, "must be >= 0 (0: only at the end)"),
             ("eval.every_steps", self.eval.every_steps >= 0, "must be >= 0 (0: only at the end)"),
@@ -297,6 +313,9 @@ def from_dict(raw: dict, source: str | None = None) -> Recipe:
     preset, nested = model.pop("preset", None), model.pop("overrides", {})
     raw["model"] = {"preset": preset, "overrides": {**nested, **model}}
     _check_model_keys(raw["model"]["overrides"], where)
+    train = raw.get("train")
+    if isinstance(train, dict) and isinstance(train.get("compile"), bool):  # the older true/false
+        raw["train"] = {**train, "compile": "blocks" if train["compile"] else "off"}
     recipe = _build(Recipe, raw, where, "")
     recipe.source_path = source
     return recipe.validate()

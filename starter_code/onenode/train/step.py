@@ -43,12 +43,19 @@ def build_optimizer(
     **muon_options,
 ) -> torch.optim.Optimizer:
     """AdamW with decoupled weight decay on matrices only (the A1 default), or "muon": Muon on the
-    2-D hidden matrices and AdamW on the rest (`train/optim.py`; `muon_options` go to Muon)."""
+    2-D hidden matrices and AdamW on the rest (`train/optim.py`; `muon_options` go to Muon). Over
+    a layout's float32 masters (`ParallelModel.master_weights`) each step of it marks their bf16
+    copies stale (a hook of this optimizer's own, not of every optimizer in the process)."""
     if name == "muon":
-        return build_muon(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **muon_options)
-    if name != "adamw":
+        optimizer = build_muon(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **muon_options)
+    elif name == "adamw":
+        optimizer = build_adamw(model.named_parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    else:
         raise ValueError(f"unknown optimizer {name!r}: use 'adamw' or 'muon'")
-    return build_adamw(model.named_parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    weights = getattr(model, "master_weights", None)
+    if weights is not None:
+        optimizer.register_step_post_hook(lambda *unused: weights.masters_changed())
+    return optimizer
 
 
 def _grads_by_mesh(grads: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -32,11 +31,9 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ..model import build_model, count_parameters
-from ..parallel import ParallelDims, ParallelModel, parallelize
-from ..parallel.compile_and_checkpoint import prepare_layers
-from ..parallel.distributed import init_distributed, local_device, mean_over_ranks
-from .balance import RouterBalancer
+from ..model import count_parameters
+from ..parallel.distributed import mean_over_ranks
+from .assembly import assemble
 from .checkpoint import (
     export_final,
     full_model_state_dict,
@@ -52,19 +49,6 @@ from .logging import MetricsLog, environment, git_commit, read_metrics
 from .plots import plot_loss_curves
 from .recipe import Recipe, RecipeError
 from .schedule import lr_factor, set_lr
-from .step import build_optimizer, train_step
-
-
-def use_deterministic_kernels() -> None:
-    """Every kernel of a step gives the same bits on every run of the same layout and GPU, so a
-    replayed span lands on its checkpoint exactly: cuBLAS with a fixed workspace, torch's
-    deterministic algorithms (an op that has none fails loudly rather than drifting), and SDPA
-    without cuDNN attention, whose backward accumulates in no fixed order."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 class Trainer:
@@ -73,30 +57,13 @@ class Trainer:
         checkpoint folder."""
         self.recipe = recipe
         self.out_dir = Path(out_dir)
-        self.rank, self.world = init_distributed()
-        self.device = local_device() if recipe.train.device == "auto" else torch.device(recipe.train.device)
-        self.config = recipe.model_config()
-        self.total_steps = recipe.total_steps
-        self.param_dtype = torch.bfloat16 if recipe.train.precision == "bf16" else None
-        self._layout()
-        if recipe.train.deterministic:
-            use_deterministic_kernels()
-
-        torch.manual_seed(recipe.seed)
-        model = build_model(self.config, seed=recipe.seed, device=self.device)
-        prepare_layers(model, compile="blocks" if recipe.train.compile else "off",
-                       activation_checkpointing=recipe.train.activation_checkpointing)
-        self.parallel = self._parallelize(model)
-        data_mesh = self.parallel.dp_mesh
-        self.dp_group = data_mesh.get_group() if data_mesh is not None else None  # None: the default group
-        self.dp_rank = data_mesh.get_local_rank() if data_mesh is not None else 0
-        o = recipe.optimizer
-        muon = vars(o.muon) if o.name == "muon" else {}
-        self.optimizer = build_optimizer(self.parallel, o.name, lr=o.lr, weight_decay=o.weight_decay,
-                                         betas=tuple(o.betas), eps=o.eps, **muon)
-        self.balancer = RouterBalancer(self.parallel, aux_loss=recipe.moe.aux_loss_coef > 0)
-        if recipe.moe.aux_loss_coef > 0 and self.parallel.pipeline is not None:
-            raise RecipeError("recipe: moe.aux_loss_coef needs parallel.pp: 1 (pipeline stages compute their own loss)")
+        self.run = assemble(recipe)
+        self.rank, self.world = self.run.rank, self.run.layout.world
+        self.device, self.config, self.total_steps = self.run.device, self.run.config, recipe.total_steps
+        self.parallel, self.optimizer, self.balancer = self.run.parallel, self.run.optimizer, self.run.balancer
+        self.dp, self.micro_batch, self.accumulation = (self.run.layout.dp, self.run.layout.micro_batch,
+                                                        self.run.layout.accumulation)
+        self.dp_group, self.dp_rank = self.run.dp_group, self.run.dp_rank
         self.loader = self._loader("train")
 
         self.step = 0
@@ -111,32 +78,6 @@ class Trainer:
             if self.rank == 0 else None
 
     # -- setup -----------------------------------------------------------------------------
-    def _layout(self) -> None:
-        """Data-parallel size and gradient accumulation from the recipe and the world size."""
-        p, t = self.recipe.parallel, self.recipe.train
-        if self.world % (p.ep * p.pp) and p.dp == -1:
-            raise RecipeError(f"recipe: parallel.ep x parallel.pp = {p.ep * p.pp} does not divide the world size "
-                              f"{self.world}")
-        self.dp = self.world // p.pp if p.dp == -1 else p.dp  # experts shard inside data parallelism
-        if self.dp * p.pp != self.world:
-            raise RecipeError(f"recipe: parallel.dp {self.dp} x pp {p.pp} != world size {self.world}: "
-                              "fix parallel.dp or use -1")
-        micro = t.micro_batch_size or t.global_batch_size // self.dp
-        if micro < 1 or t.global_batch_size % (micro * self.dp):
-            raise RecipeError(f"recipe: train.global_batch_size {t.global_batch_size} is not a multiple of "
-                              f"micro_batch_size {micro} x dp {self.dp}")
-        self.micro_batch = micro
-        self.accumulation = t.global_batch_size // (micro * self.dp)
-        if p.pp > 1 and self.accumulation > 1:
-            raise RecipeError("recipe: train.micro_batch_size: with parallel.pp > 1 leave it 0 (the pipeline "
-                              "splits each rank's batch into its own microbatches)")
-
-    def _parallelize(self, model) -> ParallelModel:
-        """The recipe's layout and precision (`onenode.parallel`): bf16 is FSDP2's mixed precision
-        over float32 master weights, on one process too."""
-        p = self.recipe.parallel
-        return parallelize(model, ParallelDims(dp=self.dp, ep=p.ep, pp=p.pp), param_dtype=self.param_dtype)
-
     def _loader(self, split: str):
         d, t = self.recipe.data, self.recipe.train
         if d.source == "synthetic":
@@ -223,15 +164,11 @@ class Trainer:
         lr = set_lr(self.optimizer, self.recipe.optimizer.lr, factor)
         micro_batches = [next(self.loader) for _ in range(self.accumulation)]
         input_ids, labels = (torch.cat(parts).to(self.device, non_blocking=True) for parts in zip(*micro_batches))
-        coef = self.recipe.moe.aux_loss_coef
-        out = train_step(self.parallel, self.optimizer, input_ids, labels, self.recipe.train.grad_clip,
-                         accumulation_steps=self.accumulation,
-                         aux_loss_fn=self.balancer.pop_aux_loss if coef > 0 else None, aux_loss_coef=coef)
-        balance = self.balancer.finish_step(self.recipe.moe.bias_update_rate, group=self.dp_group)
+        out = self.run.step(input_ids, labels)
         self.step += 1
         self.tokens_seen += self.recipe.tokens_per_step
         loss = mean_over_ranks(out.pop("loss"), self.device)
-        return {"step": self.step, "tokens": self.tokens_seen, "loss": loss, "lr": lr, **out, **balance}
+        return {"step": self.step, "tokens": self.tokens_seen, "loss": loss, "lr": lr, **out}
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The A1 graded step on one H200, in one job: the profile's `onenode bench` command (the handout's)
+# on the reference solution's tree and on the unpatched starter, then `onenode-grade a1` of the
+# reference solution and the unchanged starter on h200x1, whose timed step is that command's step;
+# last, the same command on the unpatched starter.
+# The reference's graded tokens/s is then read beside its bench figure (benchmarks/README.md).
+#   bash benchmarks/h200_a1_graded_step.sh OUT [PROFILE]
+set -uo pipefail
+OUT=${1:?usage: h200_a1_graded_step.sh OUT [PROFILE]}
+PROFILE=${2:-h200x1}
+KIT=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$OUT"
+cd "$KIT"
+CMD=$(python3 -c "from grader.a1.rubric import load_rubric; print(load_rubric().profiles['$PROFILE'].bench_command(0))")
+ARGS=${CMD#onenode bench }
+echo "graded step: $CMD" | tee "$OUT/command.txt"
+S=$(python3 benchmarks/run_a1_gpu.py --prepare | head -1)  # the reference solution applied to a copy of the starter
+(cd "$S" && eval PYTHONPATH=starter_code timeout 400 python3 -m onenode.cli bench $ARGS --steps 10 --warmup 3 --quiet \
+    --out "$OUT/bench-solution.json") 2>&1 | tail -12
+COHORT=$(mktemp -d)
+mkdir -p "$COHORT/reference-full" "$COHORT/starter-unchanged"
+cp solutions/a1/submission.patch "$COHORT/reference-full/"
+: > "$COHORT/starter-unchanged/submission.patch"
+PYTHONPATH=starter_code:. python3 -m grader.cli a1 --cohort "$COHORT" --profile "$PROFILE" --out "$OUT/grade" --no-notebook --quiet 2>&1 | tail -20
+eval PYTHONPATH=starter_code timeout 400 python3 -m onenode.cli bench $ARGS --steps 5 --warmup 2 --quiet \
+    --out "$OUT/bench-starter.json" 2>&1 | tail -12

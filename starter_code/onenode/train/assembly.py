@@ -1,0 +1,167 @@
+"""A training run assembled from a Recipe: the one place that builds a model for training, lays it
+out and gives it its optimizer and step.
+
+    run = assemble(load_recipe("a2_pretrain/recipes/tiny.yaml"))
+    out = run.step(input_ids, labels)          # {"loss", "grad_norm", ...}: one optimizer step
+
+`onenode bench` (synthetic batches and a meter), `onenode train` (data, schedule, checkpoints; so
+A2's replay too) and the A1 grader's harness (the grader's batches and evidence) all call
+`assemble`, so a speed-up wired here is what all of them run, and the step the grader times is the
+step `onenode bench` measures with the same recipe fields. The order of what is applied to the model
+(compile, activation checkpointing, expert parallelism, pipeline stages, FSDP and the precision)
+lives in `parallelize`; the recipe only says which.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..model import build_model
+from ..model.config import NemotronHConfig
+from ..parallel import ParallelDims, ParallelModel, parallelize
+from ..parallel.compile_and_checkpoint import cuda_graph_skips
+from ..parallel.distributed import init_distributed, local_device
+from .balance import RouterBalancer
+from .recipe import Recipe, RecipeError
+from .step import build_optimizer, train_step
+
+
+def use_deterministic_kernels() -> None:
+    """Every kernel of a step gives the same bits on every run of the same layout and GPU, so a
+    replayed span lands on its checkpoint exactly: cuBLAS with a fixed workspace, torch's
+    deterministic algorithms (an op that has none fails loudly rather than drifting), and SDPA
+    without cuDNN attention, whose backward accumulates in no fixed order."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a recipe's global batch falls on `world` processes."""
+
+    world: int
+    dp: int  # data-parallel ranks (experts shard inside them)
+    ep: int
+    pp: int
+    micro_batch: int  # sequences per forward on one rank
+    accumulation: int  # micro-batches per optimizer step
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(dp=self.dp, ep=self.ep, pp=self.pp)
+
+
+def resolve_layout(recipe: Recipe, world: int) -> Layout:
+    """Data-parallel size and gradient accumulation from the recipe and the world size."""
+    p, t = recipe.parallel, recipe.train
+    if world % (p.ep * p.pp) and p.dp == -1:
+        raise RecipeError(f"recipe: parallel.ep x parallel.pp = {p.ep * p.pp} does not divide the world size {world}")
+    dp = world // p.pp if p.dp == -1 else p.dp
+    if dp * p.pp != world:
+        raise RecipeError(f"recipe: parallel.dp {dp} x pp {p.pp} != world size {world}: fix parallel.dp or use -1 "
+                          "(or launch with torchrun --nproc-per-node DP*PP)")
+    if p.ep > 1 and world == 1:
+        raise RecipeError(f"recipe: parallel.ep {p.ep} needs as many processes: launch with torchrun "
+                          f"--nproc-per-node {p.ep}")
+    micro = t.micro_batch_size or t.global_batch_size // dp
+    if micro < 1 or t.global_batch_size % (micro * dp):
+        raise RecipeError(f"recipe: train.global_batch_size {t.global_batch_size} is not a multiple of "
+                          f"micro_batch_size {micro} x dp {dp}")
+    accumulation = t.global_batch_size // (micro * dp)
+    if p.pp > 1 and accumulation > 1:
+        raise RecipeError("recipe: train.micro_batch_size: with parallel.pp > 1 leave it 0 (the pipeline splits "
+                          "each rank's batch into its own microbatches)")
+    return Layout(world, dp, p.ep, p.pp, micro, accumulation)
+
+
+@dataclass
+class TrainingRun:
+    """A model laid out for training, its optimizer and load balancing, and the step they take."""
+
+    recipe: Recipe
+    config: NemotronHConfig
+    device: torch.device
+    rank: int
+    layout: Layout
+    parallel: ParallelModel
+    optimizer: torch.optim.Optimizer
+    balancer: RouterBalancer
+
+    @property
+    def dp_group(self):
+        """The data-parallel ranks' process group (None: the default group, or none)."""
+        mesh = self.parallel.dp_mesh
+        return mesh.get_group() if mesh is not None else None
+
+    @property
+    def dp_rank(self) -> int:
+        mesh = self.parallel.dp_mesh
+        return mesh.get_local_rank() if mesh is not None else 0
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
+        """One optimizer step on this rank's batch (its `accumulation` micro-batches), at the
+        optimizer's current learning rate, then the routers' rebalancing: {"loss", "grad_norm",
+        ("aux_loss"), and the balancer's record}."""
+        t, coef = self.recipe.train, self.recipe.moe.aux_loss_coef
+        if t.cuda_graphs:  # a new step: replay the graphs, do not wait for the last step's backwards
+            torch.compiler.cudagraph_mark_step_begin()
+        out = train_step(self.parallel, self.optimizer, input_ids, labels, t.grad_clip,
+                         accumulation_steps=self.layout.accumulation,
+                         aux_loss_fn=self.balancer.pop_aux_loss if coef > 0 else None, aux_loss_coef=coef,
+                         fused_update=t.fused_update)
+        return {**out, **self.balancer.finish_step(self.recipe.moe.bias_update_rate, group=self.dp_group)}
+
+    def cuda_graph_note(self) -> str | None:
+        """One line when CUDA graphs were asked for and some compiled layers run without them."""
+        skipped = cuda_graph_skips() if self.recipe.train.cuda_graphs else 0
+        if not skipped:
+            return None
+        return (f"CUDA graphs: {skipped} compiled region(s) ran without their graph (their shapes change from step to "
+                "step, e.g. a loop over experts with per-expert token counts); the rest replay")
+
+
+def assemble(recipe: Recipe, *, device: torch.device | str | None = None,
+             init_weights: Callable[[nn.Module], None] | None = None) -> TrainingRun:
+    """The recipe's training run on this process (joining torchrun's group when launched by it).
+
+    The model is built from `recipe.seed` on `device` (default: the recipe's `train.device`, "auto"
+    being this rank's GPU, else the CPU); `init_weights(model)`, where given, then sets its weights
+    on the plain model before anything is laid out (the A1 grader loads the starter's weights so).
+    """
+    rank, world = init_distributed()
+    t = recipe.train
+    if device is None:
+        device = local_device() if t.device == "auto" else torch.device(t.device)
+    device = torch.device(device)
+    layout = resolve_layout(recipe, world)
+    if t.cuda_graphs and (world > 1 or device.type != "cuda"):
+        raise RecipeError("recipe: train.cuda_graphs replays compiled layers in one process on a GPU (under FSDP they "
+                          "would be recorded again every step): set it false, or run one process on a CUDA device")
+    if t.deterministic:
+        use_deterministic_kernels()
+    config = recipe.model_config()
+    torch.manual_seed(recipe.seed)
+    model = build_model(config, seed=recipe.seed, device=device)
+    if init_weights is not None:
+        init_weights(model)
+    p = recipe.parallel
+    pipeline = {"schedule": p.pp_schedule, "microbatches": p.microbatches or None} if p.pp > 1 else {}
+    parallel = parallelize(model, layout.dims, param_dtype=torch.bfloat16 if t.precision == "bf16" else None,
+                           compile=t.compile, activation_checkpointing=t.activation_checkpointing,
+                           cuda_graphs=t.cuda_graphs, **pipeline)
+    o = recipe.optimizer
+    muon = vars(o.muon) if o.name == "muon" else {}
+    optimizer = build_optimizer(parallel, o.name, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
+                                eps=o.eps, **muon)
+    if recipe.moe.aux_loss_coef > 0 and parallel.pipeline is not None:
+        raise RecipeError("recipe: moe.aux_loss_coef needs parallel.pp: 1 (pipeline stages compute their own loss)")
+    balancer = RouterBalancer(parallel, aux_loss=recipe.moe.aux_loss_coef > 0)
+    return TrainingRun(recipe, config, device, rank, layout, parallel, optimizer, balancer)

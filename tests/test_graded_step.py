@@ -1,0 +1,118 @@
+"""The step the A1 grader times is the step `onenode bench` measures: the profile's bench command
+(`A1Profile.bench_command`) and the grader's harness, driven through its protocol, assemble the
+same recipe and give the same losses from the same seeds; and the evidence is read on a clock of
+its own, after the timed step."""
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grader.a1.rubric import load_rubric
+from onenode.cli import build_parser
+
+KIT = Path(__file__).resolve().parents[1]
+STEPS = 3
+SEED = 11
+
+
+def bench_record(command: str) -> dict:
+    """`onenode bench` run in this process from its command line, its JSON record."""
+    from onenode.bench import measure
+
+    argv = shlex.split(command)[1:] + ["--steps", str(STEPS), "--warmup", "0", "--quiet"]
+    return measure.run(build_parser("bench").parse_args(argv))
+
+
+def harness_session(tmp: Path, spec: dict, seeds: list[int]) -> tuple[dict, list[dict]]:
+    """The grader's harness in a child process (no sandbox: the kit's own starter), one training
+    session on `seeds`: its ready info and, per seed, the timed reply merged with its evidence."""
+    for src in (KIT / "grader/a1/harness.py", KIT / "a1_infra/tests/collectives.py"):
+        shutil.copy2(src, tmp / src.name)
+    messages = [{"world": 1, "threads": 1, "device": "cpu", "tree": str(KIT / "starter_code")}, {"session": spec}]
+    for seed in seeds:
+        messages += [{"seed": seed}, {"evidence": True}]
+    env = {"PYTHONPATH": str(KIT / "starter_code"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-u", "harness.py"], cwd=tmp, env=env, capture_output=True, text=True,
+                         input="".join(json.dumps(m) + "\n" for m in messages), timeout=600)
+    replies = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    assert "ready" in replies[0], f"{replies[:1]}\n{out.stderr[-2000:]}"
+    steps = []
+    for timed, evidence in zip(replies[1::2], replies[2::2]):
+        assert "digest" in timed and "evidence" in evidence, (timed, evidence, out.stderr[-2000:])
+        assert "moments" not in timed["digest"]  # the evidence is not read inside the timed step
+        steps.append({**timed["digest"], **evidence["evidence"]})
+    return replies[0]["ready"], steps
+
+
+@pytest.mark.slow
+def test_the_graded_step_is_the_bench_commands_step(tmp_path):
+    profile = load_rubric().profiles["cpu-tiny"]
+    reference = profile.layouts["reference"]
+    recipe = profile.recipe(reference, SEED)
+    spec = {"kind": "train", "preset": profile.preset, "overrides": profile.overrides, "device": "cpu",
+            "dtype": profile.dtype, "init_seed": SEED, "moe": profile.moe, "batch": profile.batch,
+            "seq_len": profile.seq_len, "layout": reference, "recipe": recipe}
+    info, steps = harness_session(tmp_path, spec, [SEED + 1 + i for i in range(STEPS)])
+    record = bench_record(profile.bench_command(SEED))
+
+    assert [s["loss"] for s in steps] == pytest.approx(record["steps"]["losses"], rel=1e-6)
+    assert all(isinstance(s["moments"], dict) and s["moments"]["params"] for s in steps)
+    same = ("seed", "model", "train", "optimizer", "moe", "parallel")
+    # the number of steps; cpu vs auto; the layout spelled out vs derived from one process (0 = batch / dp, -1 = 1)
+    ignore = {"token_budget", "device", "micro_batch_size", "dp"}
+
+    def decisive(r: dict) -> dict:
+        return {k: ({f: v for f, v in r[k].items() if f not in ignore} if isinstance(r[k], dict) else r[k])
+                for k in same}
+
+    assert decisive(info["recipe"]) == decisive(record["recipe"])
+
+
+def test_bench_command_sets_every_step_field_of_the_profile():
+    """Each GPU profile's `step` fields reach its bench command, and the command parses."""
+    for profile in load_rubric().profiles.values():
+        command = profile.bench_command(3)
+        for key, value in profile.step.items():
+            assert f"--set {key}={str(value).lower() if isinstance(value, bool) else value}" in command
+        words = shlex.split(command)
+        argv = words[words.index("bench"):]
+        args = build_parser("bench").parse_args(argv)
+        assert args.seed == 3 and args.seq_len == profile.seq_len
+
+
+def test_the_handout_gives_each_profiles_graded_step_command():
+    handout = (KIT / "a1_infra/README.md").read_text()
+    for name, profile in load_rubric().profiles.items():
+        assert f"| `{name}` | `{profile.bench_command(0)}` |" in handout, f"a1_infra/README.md: {name}'s command"
+
+
+def test_evidence_beyond_the_starters_is_charged_and_far_beyond_it_zeroes_the_step():
+    """`scoring._step_numbers`: a session's evidence phase is compared with the starter's in the
+    same layout; its excess is added to each step's time, and beyond `EVIDENCE_BOUND` times the
+    starter's the step's speed is not scored."""
+    from types import SimpleNamespace
+
+    from grader.a1 import scoring
+    from grader.runner import SessionResult
+
+    profile = load_rubric().profiles["cpu-tiny"]
+    starter = SessionResult(seconds=[1.0, 0.2, 0.2, 0.2], evidence_seconds=[0.1] * 4)
+
+    def graded(evidence: float) -> tuple[float, dict]:
+        ctx = SimpleNamespace(job=SimpleNamespace(profile=profile), measurements={}, leaderboard=[])
+        run = SessionResult(seconds=[1.0, 0.1, 0.1, 0.1], evidence_seconds=[evidence] * 4)
+        speedup, _ = scoring._step_numbers(ctx, run, starter, "reference", "moe_step")
+        return speedup, ctx.measurements
+
+    honest, _ = graded(0.1)
+    deferred, numbers = graded(0.15)  # 50 ms of the step left for the evidence phase: paid for
+    assert honest == pytest.approx(2.0) and deferred == pytest.approx(0.2 / 0.15)
+    assert numbers["reference_evidence_charged_s"] == pytest.approx(0.05)
+    far, numbers = graded(0.1 * scoring.EVIDENCE_BOUND + 0.01)
+    assert far == 0 and "reference_step_speedup" not in numbers
+    assert graded(0.05)[0] == pytest.approx(2.0)  # a faster reading earns nothing either
