@@ -47,6 +47,12 @@ def speed_share(value: float, low: float, high: float) -> float:
     return min(1.0, math.log(value / low) / math.log(high / low))
 
 
+# The routers' biases stay as loaded during A1's sessions: the step is compared with the starter's, and
+# a bias update follows the loads each layout's forwards count, which are not the same work in every
+# layout (torch's pipelining runs each stage's forward once more on the first step, to infer shapes).
+A1_BALANCING = {"bias_update_rate": 0.0}
+
+
 @dataclass(frozen=True)
 class A1Profile(Profile):
     """What runs on one kind of machine and what counts as fixed there."""
@@ -100,7 +106,7 @@ class A1Profile(Profile):
                "train": {"token_budget": self.batch * self.seq_len * (self.warmup + self.repeats),
                          "seq_len": self.seq_len, "global_batch_size": self.batch, "device": self.device,
                          "precision": "bf16" if self.dtype == "bfloat16" else "fp32"},
-               "parallel": {key: layout[key] for key in ("dp", "ep", "pp")}}
+               "parallel": {key: layout[key] for key in ("dp", "ep", "pp")}, "moe": dict(A1_BALANCING)}
         return from_dict(raw).with_overrides(self.step).to_dict()
 
     def bench_command(self, seed: int = 0) -> str:
@@ -114,7 +120,7 @@ class A1Profile(Profile):
         words += [f"--micro-batch {self.batch // layout['dp']}", f"--seq-len {self.seq_len}",
                   f"--dtype {'bf16' if self.dtype == 'bfloat16' else 'fp32'}"]
         words += [f"--set {key}={str(value).lower() if isinstance(value, bool) else value}"
-                  for key, value in self.step.items()]
+                  for key, value in {**{f"moe.{k}": v for k, v in A1_BALANCING.items()}, **self.step}.items()]
         return " ".join(words + [f"--seed {seed}"])
 
     def __post_init__(self):
