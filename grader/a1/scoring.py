@@ -20,7 +20,14 @@ from ..assignment import Graded
 from ..errors import GraderError
 from ..runner import SessionResult, run_sessions
 from ..submission import Submission, load_submission, patched_tree
-from .compare import loss_error, moe_error, moments_error, moments_names_problem, worst_moments
+from .compare import (
+    loss_error,
+    moe_error,
+    moments_direction_problem,
+    moments_error,
+    moments_names_problem,
+    worst_moments,
+)
 from .job import A1Job
 from .rubric import A1Profile, Part
 
@@ -168,6 +175,9 @@ def _moments_checked(ctx: Context, ref: list[dict], digests: list[dict], key: st
     line = f"the optimizer's first moments after each step, {how}: worst relative error {moments:.2g} ({bound})"
     if (names := moments_names_problem(ref, digests)) is not None:
         line += f": {names}"
+    rtol = profile.moments_rtol
+    if rtol is not None and (direction := moments_direction_problem(ref, digests, rtol, profile.moments_reading)):
+        line += f": {direction}"
     return profile.moments_rtol is None or moments <= profile.moments_rtol, line
 
 
