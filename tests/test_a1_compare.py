@@ -193,7 +193,8 @@ def test_the_same_moments_match_and_each_is_judged_on_its_own_scale():
     assert moments_error(steps(), sub) == pytest.approx(0.01)
     sub = steps()
     sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"][1] += 0.0002  # a projection: 1% of the norm
-    assert moments_error(steps(), sub) == pytest.approx(0.01)
+    assert moments_error(steps(), sub, directions=True) == pytest.approx(0.01)
+    assert moments_error(steps(), sub) == 0.0
 
 
 def test_a_parameter_the_step_left_untrained_is_wrong():
@@ -207,7 +208,7 @@ def test_only_zero_moments_match_an_expert_no_token_chose():
     sub[2]["moments"]["experts"]["backbone.layers.1.mixer."][1] = [[1e-9, 0.0], [0.0, 0.0]]
     assert moments_error(steps(), sub) > 1e6
     sub[2]["moments"]["experts"]["backbone.layers.1.mixer."][1] = [[0.0, 1e-9], [0.0, 0.0]]
-    assert moments_error(steps(), sub) > 1e6
+    assert moments_error(steps(), sub, directions=True) > 1e6
 
 
 @pytest.mark.parametrize("edit", [
@@ -231,7 +232,7 @@ def test_only_zero_moments_match_an_expert_no_token_chose():
 def test_malformed_moments_are_infinitely_wrong(edit):
     sub = steps()
     edit(sub[1]["moments"])
-    assert moments_error(steps(), sub) == math.inf
+    assert moments_error(steps(), sub) == moments_error(steps(), sub, directions=True) == math.inf
 
 
 def test_the_worst_moments_name_where_the_error_comes_from():
@@ -250,7 +251,8 @@ def test_a_negated_gradient_keeps_every_norm_and_is_wrong():
     """The starter's projection of dt_bias is half its norm: negated, it is off by its norm."""
     sub = steps()
     sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"][1] *= -1
-    assert moments_error(steps(), sub) == pytest.approx(1.0)
+    assert moments_error(steps(), sub, directions=True) == pytest.approx(1.0)
+    assert moments_error(steps(), sub) == 0.0
     worst = worst_moments(steps(), sub, count=2)
     assert worst[0]["name"] == "backbone.layers.0.mixer.dt_bias (direction)" and worst[1]["error"] == 0.0
     assert moments_direction_problem(steps(), sub, RTOL) == (
@@ -285,15 +287,15 @@ def test_read_by_layer_projections_add_up_per_layer():
     for step in ref:
         step["moments"]["params"].update({"backbone.layers.0.mixer.in_proj.weight": [1.0, 0.3],
                                           "backbone.layers.0.mixer.out_proj.weight": [1.0, -0.4]})
-    h200x1 = load_rubric().profile("h200x1").moments_rtol
+    h200x1 = load_rubric().profile("h200x1").moments_rtol  # its norms' (it records the directions only)
     sub = copy.deepcopy(ref)
     sub[1]["moments"]["params"]["backbone.layers.0.mixer.in_proj.weight"][1] = -0.3
-    assert moments_error(ref, sub, "layers") == pytest.approx(0.6) and 0.6 > h200x1
+    assert moments_error(ref, sub, "layers", directions=True) == pytest.approx(0.6) and 0.6 > h200x1
     assert moments_direction_problem(ref, sub, h200x1, "layers").startswith(
         "backbone.layers.0.mixer.in_proj.weight, backbone.layers.0.* (summed): their gradients point another way")
     sub = copy.deepcopy(ref)
     sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"][1] = -0.01
-    assert moments_error(ref, sub, "layers") == pytest.approx(0.02 / math.sqrt(2.0004))
+    assert moments_error(ref, sub, "layers", directions=True) == pytest.approx(0.02 / math.sqrt(2.0004))
 
 
 def test_records_of_squared_norms_alone_still_read_and_forms_must_agree():
@@ -309,6 +311,7 @@ def test_records_of_squared_norms_alone_still_read_and_forms_must_agree():
 
     old = squared_norms_alone(steps())
     assert moments_error(old, squared_norms_alone(steps())) == moments_error(old, old, "layers") == 0.0
+    assert moments_error(old, old, directions=True) == moments_error(old, old, "layers", directions=True) == 0.0
     sub = squared_norms_alone(steps())
     sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] *= 1.02
     assert moments_error(old, sub) == pytest.approx(0.01)
@@ -498,15 +501,20 @@ def test_a_step_that_applied_other_gradients_zeroes_part1(profile):
     assert re.search(r"first moments .* worst relative error 0\.5 \(tolerance", outputs[0]), outputs[0]
 
 
-def test_a_step_whose_gradient_points_another_way_zeroes_part1(profile):
+def negated_step(profile) -> SessionResult:
     """Every norm the starter's, the losses too: one parameter's gradient negated."""
     negated = steps(profile.warmup + profile.repeats)
     for step in negated:
         step["moments"]["params"]["backbone.layers.0.mixer.dt_bias"][1] *= -1
-    scores, outputs = part1(profile, 1 / 8, run(negated, 0.1))
+    return run(negated, 0.1)
+
+
+def test_a_step_whose_gradient_points_another_way_zeroes_part1(profile):
+    scores, outputs = part1(profile, 1 / 8, negated_step(profile))
     assert scores == [0, 0]
-    assert re.search(r"first moments .* worst relative error 1 \(tolerance .*\): backbone\.layers\.0\.mixer\.dt_bias: "
-                     r"its gradient points another way than the starter's", outputs[0]), outputs[0]
+    assert re.search(r"first moments .* worst relative error 0 \(tolerance 0\.001\), along random directions 1 "
+                     r"\(tolerance 0\.001\): backbone\.layers\.0\.mixer\.dt_bias: its gradient points another way "
+                     r"than the starter's", outputs[0]), outputs[0]
 
 
 def test_a_renamed_parameter_is_named_in_the_feedback(profile):
@@ -521,9 +529,19 @@ def test_a_renamed_parameter_is_named_in_the_feedback(profile):
 
 
 def test_a_profile_without_a_moments_tolerance_records_them_only(profile):
-    scores, outputs = part1(dataclasses.replace(profile, moments_rtol=None), 1 / 8, moments_off_step(profile))
+    unscored = dataclasses.replace(profile, moments_rtol=None, moments_direction_rtol=None)
+    scores, outputs = part1(unscored, 1 / 8, moments_off_step(profile))
     assert scores[0] == 4.0
-    assert re.search(r"worst relative error 0\.5 \(recorded, not scored", outputs[0]), outputs[0]
+    assert re.search(r"worst relative error 0\.5 \(recorded, not scored.*\), along random directions 0\.5 "
+                     r"\(recorded, not scored", outputs[0]), outputs[0]
+    scores, outputs = part1(dataclasses.replace(profile, moments_direction_rtol=None), 1 / 8, negated_step(profile))
+    assert scores[0] == 4.0 and "points another way" not in outputs[0]
+
+
+def test_the_cpu_profiles_score_the_directions_and_the_bfloat16_ones_record_them():
+    rubric = load_rubric()
+    assert [rubric.profile(name).moments_direction_rtol for name in ("cpu-tiny", "cpu-8proc")] == [1e-3, 1e-3]
+    assert all(rubric.profile(name).moments_direction_rtol is None for name in ("h200x1", "h200x2", "h100x8"))
 
 
 def test_breaking_the_step_never_earns_more_than_an_honest_slow_one(profile):

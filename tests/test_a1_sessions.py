@@ -419,14 +419,8 @@ def test_each_expert_reads_alike_whatever_the_layout_holds_it():
         "backbone.layers.0.mixer.experts.0.up_proj, backbone.layers.0.mixer.experts.1.up_proj: their gradients")
 
 
-def sharded_moments(shapes: list[tuple], mesh_shape: tuple[int, ...]) -> dict:
-    """On each rank: parameters of `shapes` (the same values everywhere) sharded by FSDP2 over
-    `mesh_shape` (two dims: replicated over the first), one AdamW step on the same gradients, and
-    the harness's merged reading of the moments."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    harness = _harness()
+def _weights(shapes: list[tuple]) -> tuple[nn.Module, dict]:
+    """A model of one parameter per shape, and a gradient for each (the same on every rank)."""
     gen = torch.Generator().manual_seed(4)
     model = nn.Module()
     model.layers = nn.ModuleList()
@@ -434,38 +428,43 @@ def sharded_moments(shapes: list[tuple], mesh_shape: tuple[int, ...]) -> dict:
         layer = nn.Module()
         layer.weight = nn.Parameter(torch.randn(shape, generator=gen))
         model.layers.append(layer)
-    grads = {f"layers.{i}.weight": torch.randn(shape, generator=gen) for i, shape in enumerate(shapes)}
-    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    fully_shard(model, mesh=mesh)
-    for name, param in model.named_parameters():
-        full = grads[name]
-        param.grad = torch.distributed.tensor.distribute_tensor(full, param.device_mesh, param.placements)
-    optimizer = torch.optim.AdamW(model.parameters())
-    optimizer.step()
-    moments = harness.OptimizerMoments(model, {}, type("Config", (), {"n_routed_experts": 0})(), world=2)
-    return moments.digest(optimizer, seed=9)
+    return model, {f"layers.{i}.weight": torch.randn(shape, generator=gen) for i, shape in enumerate(shapes)}
 
 
-@pytest.mark.parametrize("mesh_shape", [(2,), (2, 1)], ids=["sharded", "replicated"])
-def test_a_sharded_moment_reads_as_one_rank_would(mesh_shape):
+def sharded_moments(shapes: list[tuple]) -> list[dict]:
+    """On each rank, for FSDP2 over all ranks and over a (replicate, shard) mesh of (2, 1): the
+    parameters of `shapes` sharded, one AdamW step on the same gradients, and the harness's merged
+    reading of the moments."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    harness = _harness()
+    readings = []
+    for mesh in (init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))):
+        model, grads = _weights(shapes)
+        fully_shard(model, mesh=mesh)
+        for name, param in model.named_parameters():
+            param.grad = distribute_tensor(grads[name], param.device_mesh, param.placements)
+        optimizer = torch.optim.AdamW(model.parameters())
+        optimizer.step()
+        moments = harness.OptimizerMoments(model, {}, type("Config", (), {"n_routed_experts": 0})(), world=2)
+        readings.append(moments.digest(optimizer, seed=9))
+    return readings
+
+
+def test_a_sharded_moment_reads_as_one_rank_would():
     """Each rank projects its shard on its slice of the direction: the parts add up to the whole's
     projection (uneven shards and a shard of nothing included), replicas count once."""
     from dist_utils import run_distributed
 
     shapes = [(5, 3), (1, 4), (3,), (2, 1, 4)]
-    ranks = run_distributed(sharded_moments, world_size=2, args=(shapes, mesh_shape))
+    ranks = run_distributed(sharded_moments, world_size=2, args=(shapes,))
     assert ranks[0] == ranks[1]
-    gen = torch.Generator().manual_seed(4)
-    model = nn.Module()
-    model.layers = nn.ModuleList()
-    for shape in shapes:
-        layer = nn.Module()
-        layer.weight = nn.Parameter(torch.randn(shape, generator=gen))
-        model.layers.append(layer)
-    grads = {f"layers.{i}.weight": torch.randn(shape, generator=gen) for i, shape in enumerate(shapes)}
-    one_rank = _moments_reading(model, grads, seed=9)
-    assert ranks[0]["params"] == {name: pytest.approx(value, rel=1e-5) for name, value in one_rank["params"].items()}
+    one_rank = _moments_reading(*_weights(shapes), seed=9)
+    for layout, reading in zip(("sharded", "replicated"), ranks[0]):
+        assert reading["params"] == {name: pytest.approx(value, rel=1e-5)
+                                     for name, value in one_rank["params"].items()}, layout
 
 
 def test_the_harness_never_reads_the_submissions_adapter():

@@ -314,12 +314,12 @@ class OptimizerMoments:
         return name
 
     @staticmethod
-    def _moment(optimizer, param, shape: tuple, whole: dict):
+    def _moment(optimizer, param, shape: tuple):
         """(the first moment in the starter's `shape`, or the shard of it this rank holds; None where
         the rank holds it whole, else the share of the shard's readings that is this rank's: 1 / its
         replicas; the shard's offset in the whole), or None where the optimizer keeps none. A sharded
-        parameter without one reads as zeros; one of another shape than the starter's is read whole
-        (`whole`), a collective every rank of its mesh takes part in."""
+        parameter without one reads as zeros; one of another shape than the starter's is read whole,
+        a collective every rank of its mesh takes part in."""
         import torch
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -362,7 +362,7 @@ class OptimizerMoments:
         factors = []  # every direction's factors, drawn on the CPU, moved to the device at once
         named = []  # (name, (the moment, its share) or None, the indices of its direction's factors)
         for name, param in self.params.items():
-            moment = self._moment(optimizer, param, self.shapes[name], whole)
+            moment = self._moment(optimizer, param, self.shapes[name])
             if moment is None:
                 named.append((name, None, []))
                 continue
@@ -435,13 +435,16 @@ class OptimizerMoments:
             view = moment if row is None else moment[row]
             views[j] = view.T if transposed else view
         for (_, transposed), (moment, experts) in groups.items():
-            stacked = (moment if moment.dim() == 3 else moment.unsqueeze(0)).float()
-            js, rows = [j for j, _ in experts], [0 if row is None else row for _, row in experts]
-            u = torch.zeros(len(stacked), along_rows.shape[1], device=stacked.device)
-            v = torch.zeros(len(stacked), along_cols.shape[1], device=stacked.device)
+            if len(experts) == 1:  # an expert's own parameter (the starter's layout): two small products
+                j = experts[0][0]
+                projections[j] = _project(views[j], [along_rows[j], along_cols[j]])
+                continue
+            js, rows = [j for j, _ in experts], [row for _, row in experts]
+            u = torch.zeros(len(moment), along_rows.shape[1], device=moment.device)
+            v = torch.zeros(len(moment), along_cols.shape[1], device=moment.device)
             u[rows], v[rows] = along_rows[js], along_cols[js]
             first, second = (u, v) if transposed else (v, u)  # the dimension stored last is contracted first
-            sums = ((stacked @ first.unsqueeze(-1)).squeeze(-1) * second).sum(-1)
+            sums = ((moment.float() @ first.unsqueeze(-1)).squeeze(-1) * second).sum(-1)
             for j, row in zip(js, rows):
                 projections[j] = sums[row]
         return views, projections

@@ -73,6 +73,10 @@ class A1Profile(Profile):
     # how they are read (`compare.MOMENTS_READINGS`): "entries", each on its own scale (float32), or
     # "layers", each layer's summed and a parameter stepped on one side only wrong (bfloat16)
     moments_reading: str = "entries"
+    # the tolerance of the same moments' projections on seeded random directions (which way each
+    # stepped: a negated or swapped gradient keeps every norm), on the scale of each one's norm, read
+    # as `moments_reading` says; None: recorded only
+    moments_direction_rtol: float | None = None
 
     def __post_init__(self):
         if self.moments_reading not in MOMENTS_READINGS:
