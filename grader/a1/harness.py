@@ -229,16 +229,17 @@ class MoeSession:
         return digests
 
 
-def _generator(seed: int, name: str):
-    """A CPU generator seeded from the workload's `seed` and `name`: the same in every child, on
-    every rank and device (Python's `hash` is salted per process; a CUDA generator's stream may
-    depend on the device)."""
+def _generator(seed: int, name: str, device):
+    """A generator on `device` seeded from the workload's `seed` and `name` (Python's `hash` is
+    salted per process): the same values in every child and on every rank of a job, whose GPUs are
+    of one kind (a CUDA generator's values follow the device's multiprocessor count, like the MoE
+    layer's directions), drawn where the moments are, in a few kernels, inside the timed step."""
     import hashlib
 
     import torch
 
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    return torch.Generator("cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 def _in_shape(moment, shape: tuple):
@@ -271,7 +272,8 @@ class OptimizerMoments:
     workload's seed and the parameter's (the expert's) starter name, in the starter's layout (a
     parameter of another shape is read reshaped to the starter's), fresh every step, the same in
     the starter's child and the submission's; an outer product of one random vector per dimension,
-    so that it costs a few random values and one pass over the moment (`_project`).
+    drawn where the moment is, so that it costs a few random values and one pass over the moment
+    (`_project`) inside the timed step.
 
     Over several ranks the reading is the same whatever the layout: a sharded moment is read
     shard by shard (each rank's part of the norm, and its part of the projection on its slice of the
@@ -359,32 +361,6 @@ class OptimizerMoments:
         import torch
 
         whole: dict = {}
-        factors = []  # every direction's factors, drawn on the CPU, moved to the device at once
-        named = []  # (name, (the moment, its share) or None, the indices of its direction's factors)
-        for name, param in self.params.items():
-            moment = self._moment(optimizer, param, self.shapes[name])
-            if moment is None:
-                named.append((name, None, []))
-                continue
-            tensor, share, offset = moment
-            gen = _generator(seed, name)  # the whole direction's factors, sliced to this shard
-            drawn = [torch.randn(n, generator=gen)[start:start + size]
-                     for n, start, size in zip(self.shapes[name] or (1,), offset or (0,), tensor.shape or (1,))]
-            named.append((name, (tensor.reshape(tensor.shape or (1,)), share),
-                          range(len(factors), len(factors) + len(drawn))))
-            factors += drawn
-        columns = []  # (prefix, its experts' slots of one projection, the index of its factors)
-        for prefix, slots in self.experts.items():
-            for name, column in zip(ExpertSlots.LAYOUT.values(), slots.slots.values()):
-                gen = _generator(seed, f"{prefix}experts.{name}")  # expert j's direction: row j of each
-                rows, cols = self.shapes[f"{prefix}experts.{name}"]
-                columns.append((prefix, column, len(factors)))
-                factors += [torch.randn(self.count, rows, generator=gen), torch.randn(self.count, cols, generator=gen)]
-        device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
-        if factors:
-            on_device = torch.cat([f.flatten() for f in factors]).to(device).split([f.numel() for f in factors])
-            factors = [flat.view(f.shape) for flat, f in zip(on_device, factors)]
-
         readings = []  # (the tensor whose norm is read, its projection), one per moment read
 
         def read(tensor, projection, share) -> tuple:
@@ -392,14 +368,23 @@ class OptimizerMoments:
             return len(readings) - 1, share
 
         params = {}
-        for name, moment, at in named:
-            params[name] = None if moment is None else read(moment[0], _project(moment[0], [factors[i] for i in at]),
-                                                             moment[1])
+        for name, param in self.params.items():
+            moment = self._moment(optimizer, param, self.shapes[name])
+            if moment is None:
+                params[name] = None
+                continue
+            tensor, share, offset = moment
+            tensor = tensor.reshape(tensor.shape or (1,))
+            gen = _generator(seed, name, tensor.device)  # the whole direction's factors, then this shard's slice
+            factors = [torch.randn(n, generator=gen, device=tensor.device)[start:start + size]
+                       for n, start, size in zip(self.shapes[name] or (1,), offset or (0,), tensor.shape)]
+            params[name] = read(tensor, _project(tensor, factors), share)
         experts: dict[str, list] = {}  # prefix -> [up, down] -> per expert: None where this rank holds none
-        for prefix, column, at in columns:
-            views, projections = self._expert_readings(optimizer, column, factors[at], factors[at + 1], whole)
-            experts.setdefault(prefix, []).append([None if view is None else read(view, projection, None)
-                                                   for view, projection in zip(views, projections)])
+        for prefix, slots in self.experts.items():
+            for name, column in zip(ExpertSlots.LAYOUT.values(), slots.slots.values()):
+                views, projections = self._expert_readings(optimizer, column, seed, f"{prefix}experts.{name}", whole)
+                experts.setdefault(prefix, []).append([None if view is None else read(view, projection, None)
+                                                       for view, projection in zip(views, projections)])
         if readings:
             norms = torch.stack(torch._foreach_norm([t for t, _ in readings], 2, dtype=torch.float32)).double()
             values = torch.stack([norms.square(), torch.stack([p for _, p in readings]).double()], 1).tolist()
@@ -415,11 +400,12 @@ class OptimizerMoments:
         reading = {"params": {name: entry(index) for name, index in params.items()}, "experts": per_expert}
         return reading if self.world == 1 else self._merged(reading)
 
-    def _expert_readings(self, optimizer, column: list, along_rows, along_cols, whole: dict) -> tuple[list, list]:
-        """Each expert's first moment of one projection in the starter's layout (a view; None where
-        this rank does not hold the expert; zeros where the optimizer keeps none), and its
-        projection on the outer product of its rows of `along_rows` and `along_cols`. The experts
-        held in one parameter (stacked) are projected in one batched pass over it."""
+    def _expert_readings(self, optimizer, column: list, seed: int, name: str, whole: dict) -> tuple[list, list]:
+        """Each expert's first moment of one projection `name` in the starter's layout (a view; None
+        where this rank does not hold the expert; zeros where the optimizer keeps none), and its
+        projection on its direction: the outer product of its rows of two random matrices drawn for
+        `name` (so an expert reads alike wherever a rank holds it). The experts held in one
+        parameter (stacked) are projected in one batched pass over it."""
         import torch
 
         views, projections = [None] * len(column), [None] * len(column)
@@ -434,6 +420,11 @@ class OptimizerMoments:
             groups.setdefault((id(param), transposed), (moment, []))[1].append((j, row))
             view = moment if row is None else moment[row]
             views[j] = view.T if transposed else view
+        if not groups:
+            return views, projections
+        device = next(iter(groups.values()))[0].device
+        gen = _generator(seed, name, device)
+        along_rows, along_cols = (torch.randn(self.count, n, generator=gen, device=device) for n in self.shapes[name])
         for (_, transposed), (moment, experts) in groups.items():
             if len(experts) == 1:  # an expert's own parameter (the starter's layout): two small products
                 j = experts[0][0]
