@@ -34,12 +34,14 @@ RTOL = 1e-4
 
 def digest() -> dict:
     """One forward+backward pass's digest (harness `MoeSession.step`): four experts, the third a
-    rarely routed one (its gradient a thousandth of the others'), the fourth chosen by no token."""
+    rarely routed one (its gradient a thousandth of the others'), the fourth chosen by no token;
+    the router's and a shared expert's gradients by name."""
     return {
         "out": [1.5, -2.0, 4.0],
         "dx": [0.25, 0.5, 2.0],
         "experts": {"up": [[0.3, 2.0], [-0.7, 1.5], [0.001, 0.002], [0.0, 0.0]],
                     "down": [[1.1, 3.0], [0.2, 2.5], [-0.0005, 0.001], [0.0, 0.0]]},
+        "named": {"gate.weight": [-0.2, 0.5], "shared_experts.up_proj.weight": [1.2, 2.0]},
         "dparams": [1000.0, 80.0, 40.0],
     }
 
@@ -66,10 +68,10 @@ def test_rounding_stays_within_tolerance():
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, "1.5", None, True, [1.5]])
-@pytest.mark.parametrize("where", ["out", "dx", "up", "down", "dparams"])
+@pytest.mark.parametrize("where", ["out", "dx", "up", "down", "gate.weight", "dparams"])
 def test_a_value_that_is_not_a_finite_number_is_infinitely_wrong(bad, where):
     def edit(d):
-        target = d["experts"][where][1] if where in ("up", "down") else d[where]
+        target = d["experts"][where][1] if where in ("up", "down") else d["named"].get(where, d.get(where))
         target[0] = bad
 
     assert moe_error(workloads(), changed(edit)) == math.inf
@@ -90,9 +92,14 @@ def test_a_value_that_is_not_a_finite_number_is_infinitely_wrong(bad, where):
     lambda d: d.__setitem__("experts", []),         # the wrong type
     lambda d: d["experts"].__setitem__("up", {}),
     lambda d: d.__setitem__("out", {"0": 1.5}),
+    lambda d: d["named"].pop("gate.weight"),       # a parameter missing
+    lambda d: d["named"].__setitem__("router.weight", [0.0, 0.0]),  # ...or extra
+    lambda d: d["named"]["gate.weight"].pop(),      # its sketch short
+    lambda d: d.__setitem__("named", [[-0.2, 0.5]]),
 ], ids=["short-sketch", "long-sketch", "expert-missing", "extra-expert", "short-expert", "long-expert",
         "projection-missing", "extra-projection", "extra-entry", "missing-entry", "long-totals",
-        "experts-not-a-dict", "projection-not-a-list", "sketch-not-a-list"])
+        "experts-not-a-dict", "projection-not-a-list", "sketch-not-a-list", "parameter-missing", "extra-parameter",
+        "short-parameter", "parameters-not-a-dict"])
 def test_malformed_digests_are_infinitely_wrong(edit):
     assert moe_error(workloads(), changed(edit)) == math.inf
 
@@ -129,6 +136,12 @@ def test_a_rarely_routed_experts_gradient_is_judged_on_its_own_scale():
 
 def test_only_zero_matches_an_expert_no_token_chose():
     assert moe_error(workloads(), changed(lambda d: d["experts"]["up"][3].__setitem__(1, 1e-9))) > 1
+
+
+def test_a_parameters_gradient_pointing_another_way_shows_though_the_totals_match():
+    """The router's gradient negated: its norm, and every total, the starter's."""
+    sub = changed(lambda d: d["named"]["gate.weight"].__setitem__(0, 0.2))
+    assert moe_error(workloads(), sub) == pytest.approx(0.8)
 
 
 def test_wrong_gradient_totals_show():

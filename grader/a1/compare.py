@@ -50,12 +50,13 @@ def _sketch_errors(ref: list, sub, scale: float) -> list[float]:
 
 
 def _moe_digest_error(ref: dict, sub) -> float:
-    """Output, input gradient, each expert's gradients (so a gradient in another expert's slot,
-    or of the wrong sign, shows), and the totals of every parameter's gradient.
+    """Output, input gradient, each expert's gradients and each of the layer's other parameters'
+    by the starter's name (so a gradient in another expert's slot or parameter's, or of the wrong
+    sign, shows), and the totals of every parameter's gradient.
 
-    Each expert's gradient is compared on the scale of its own norm, not the largest expert's:
-    a rarely routed expert's small gradient must be right too. An expert no token chose has a
-    zero gradient, and only zero matches it."""
+    Each expert's (each parameter's) gradient is compared on the scale of its own norm, not the
+    largest expert's: a rarely routed expert's small gradient must be right too. An expert no
+    token chose has a zero gradient, and only zero matches it."""
     if not isinstance(sub, dict) or set(sub) != set(ref):
         return math.inf
     errors = _sketch_errors(ref["out"], sub["out"], ref["out"][-1])
@@ -69,6 +70,11 @@ def _moe_digest_error(ref: dict, sub) -> float:
             return math.inf
         for r, t in zip(ours, theirs):
             errors += _sketch_errors(r, t, r[-1])
+    named = sub["named"]
+    if not isinstance(named, dict) or set(named) != set(ref["named"]):
+        return math.inf
+    for name, r in ref["named"].items():
+        errors += _sketch_errors(r, named[name], r[-1])
     if not _same_length(ref["dparams"], sub["dparams"]) or _number(sub["dparams"][0]) != ref["dparams"][0]:
         return math.inf  # not the same number of gradient values
     (_, l1, l2), (_, m1, m2) = ref["dparams"], sub["dparams"]

@@ -191,6 +191,10 @@ class MoeSession:
         if "compute_dtype" in spec:
             self.layer.to(self.dtype)
         self.experts = ExpertSlots(self.layer, state, "backbone.layers.0.mixer.", config.n_routed_experts)
+        in_slots = {id(slot[0]) for column in self.experts.slots.values() for slot in column}
+        # the layer's other parameters (router, shared experts): (the starter's name, it, the starter's shape)
+        self.named = sorted((name, p, tuple(state.get(f"backbone.layers.0.mixer.{name}", p).shape))
+                            for name, p in self.layer.named_parameters() if id(p) not in in_slots)
         self.shape = (1, spec["moe"]["tokens"], config.hidden_size)
 
     def info(self) -> dict:
@@ -200,12 +204,14 @@ class MoeSession:
         """`iters` forward+backward passes on inputs drawn from `seed` (several per workload, so
         the round trip through the pipes is a small part of what the grader times), each one
         checked. Expert gradients are sketched expert by expert, read from the parameters that
-        hold each expert (`ExpertSlots`): a gradient in another expert's slot, or with its sign
-        flipped, shows."""
+        hold each expert (`ExpertSlots`), and the layer's other parameters' by name: a gradient in
+        another expert's slot or parameter's, or with its sign flipped, shows."""
         import torch
 
         gen = torch.Generator(self.device).manual_seed(seed)
         stored = _dtype(self.spec["dtype"])
+        along = {name: torch.randn(shape, generator=_generator(seed, name, self.device), device=self.device)
+                 for name, _, shape in self.named}
         digests = []
         for _ in range(self.spec["moe"].get("iters", 1)):
             x, grad_out, probe = (torch.randn(self.shape, generator=gen, device=self.device).to(stored).to(self.dtype)
@@ -217,11 +223,14 @@ class MoeSession:
             for name, grad in zip(("up", "down"), self.experts.grads()):
                 direction = torch.randn(grad.shape, generator=gen, device=self.device)
                 experts[name] = _sketch_rows(grad, direction)
+            named = {name: _sketch(_in_shape(p.grad if p.grad is not None else torch.zeros_like(p), shape), along[name])
+                     for name, p, shape in self.named}
             params = [p for p in self.layer.parameters() if p.grad is not None]
             digests.append({
                 "out": _sketch(y, grad_out, probe),
                 "dx": _sketch(x.grad, grad_out, probe),
                 "experts": experts,
+                "named": named,
                 "dparams": _grad_norms([p.grad for p in params]),
             })
             for p in params:
