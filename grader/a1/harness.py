@@ -241,8 +241,8 @@ class MoeSession:
 def _generator(seed: int, name: str, device):
     """A generator on `device` seeded from the workload's `seed` and `name` (Python's `hash` is
     salted per process): the same values in every child and on every rank of a job, whose GPUs are
-    of one kind (a CUDA generator's values follow the device's multiprocessor count, like the MoE
-    layer's directions), drawn where the moments are, in a few kernels, inside the timed step."""
+    of one kind (a CUDA generator's values follow the device's multiprocessor count), drawn on the
+    device of what they are for, in a few kernels: they sit inside the timed workload."""
     import hashlib
 
     import torch
@@ -251,12 +251,12 @@ def _generator(seed: int, name: str, device):
     return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def _in_shape(moment, shape: tuple):
-    """`moment` in the starter's `shape` (the same values in the same order, reshaped)."""
-    if moment.numel() != math.prod(shape):
-        raise RuntimeError(f"a parameter of shape {tuple(moment.shape)} is kept under the name of the starter's of "
+def _in_shape(tensor, shape: tuple):
+    """A parameter's moment or gradient in the starter's `shape` (the same values in the same order)."""
+    if tensor.numel() != math.prod(shape):
+        raise RuntimeError(f"a parameter of shape {tuple(tensor.shape)} is kept under the name of the starter's of "
                            f"shape {shape}: keep the starter's parameters (their values) under its names")
-    return moment if tuple(moment.shape) == shape else moment.reshape(shape)
+    return tensor if tuple(tensor.shape) == shape else tensor.reshape(shape)
 
 
 def _project(t, factors):
