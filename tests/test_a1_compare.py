@@ -17,7 +17,14 @@ from types import SimpleNamespace
 import pytest
 
 from grader.a1 import scoring
-from grader.a1.compare import loss_error, moe_error, moments_error, relative_error, worst_moments
+from grader.a1.compare import (
+    loss_error,
+    moe_error,
+    moments_direction_problem,
+    moments_error,
+    relative_error,
+    worst_moments,
+)
 from grader.a1.rubric import load_rubric, speed_share
 from grader.runner import SessionResult
 
@@ -27,12 +34,14 @@ RTOL = 1e-4
 
 def digest() -> dict:
     """One forward+backward pass's digest (harness `MoeSession.step`): four experts, the third a
-    rarely routed one (its gradient a thousandth of the others'), the fourth chosen by no token."""
+    rarely routed one (its gradient a thousandth of the others'), the fourth chosen by no token;
+    the router's and a shared expert's gradients by name."""
     return {
         "out": [1.5, -2.0, 4.0],
         "dx": [0.25, 0.5, 2.0],
         "experts": {"up": [[0.3, 2.0], [-0.7, 1.5], [0.001, 0.002], [0.0, 0.0]],
                     "down": [[1.1, 3.0], [0.2, 2.5], [-0.0005, 0.001], [0.0, 0.0]]},
+        "named": {"gate.weight": [-0.2, 0.5], "shared_experts.up_proj.weight": [1.2, 2.0]},
         "dparams": [1000.0, 80.0, 40.0],
     }
 
@@ -59,10 +68,10 @@ def test_rounding_stays_within_tolerance():
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, "1.5", None, True, [1.5]])
-@pytest.mark.parametrize("where", ["out", "dx", "up", "down", "dparams"])
+@pytest.mark.parametrize("where", ["out", "dx", "up", "down", "gate.weight", "dparams"])
 def test_a_value_that_is_not_a_finite_number_is_infinitely_wrong(bad, where):
     def edit(d):
-        target = d["experts"][where][1] if where in ("up", "down") else d[where]
+        target = d["experts"][where][1] if where in ("up", "down") else d["named"].get(where, d.get(where))
         target[0] = bad
 
     assert moe_error(workloads(), changed(edit)) == math.inf
@@ -83,9 +92,14 @@ def test_a_value_that_is_not_a_finite_number_is_infinitely_wrong(bad, where):
     lambda d: d.__setitem__("experts", []),         # the wrong type
     lambda d: d["experts"].__setitem__("up", {}),
     lambda d: d.__setitem__("out", {"0": 1.5}),
+    lambda d: d["named"].pop("gate.weight"),       # a parameter missing
+    lambda d: d["named"].__setitem__("router.weight", [0.0, 0.0]),  # ...or extra
+    lambda d: d["named"]["gate.weight"].pop(),      # its sketch short
+    lambda d: d.__setitem__("named", [[-0.2, 0.5]]),
 ], ids=["short-sketch", "long-sketch", "expert-missing", "extra-expert", "short-expert", "long-expert",
         "projection-missing", "extra-projection", "extra-entry", "missing-entry", "long-totals",
-        "experts-not-a-dict", "projection-not-a-list", "sketch-not-a-list"])
+        "experts-not-a-dict", "projection-not-a-list", "sketch-not-a-list", "parameter-missing", "extra-parameter",
+        "short-parameter", "parameters-not-a-dict"])
 def test_malformed_digests_are_infinitely_wrong(edit):
     assert moe_error(workloads(), changed(edit)) == math.inf
 
@@ -124,6 +138,12 @@ def test_only_zero_matches_an_expert_no_token_chose():
     assert moe_error(workloads(), changed(lambda d: d["experts"]["up"][3].__setitem__(1, 1e-9))) > 1
 
 
+def test_a_parameters_gradient_pointing_another_way_shows_though_the_totals_match():
+    """The router's gradient negated: its norm, and every total, the starter's."""
+    sub = changed(lambda d: d["named"]["gate.weight"].__setitem__(0, 0.2))
+    assert moe_error(workloads(), sub) == pytest.approx(0.8)
+
+
 def test_wrong_gradient_totals_show():
     assert moe_error(workloads(), changed(lambda d: d["dparams"].__setitem__(2, 44.0))) == pytest.approx(0.05)
 
@@ -137,10 +157,11 @@ def test_relative_error():
 
 # -- the training steps' losses --------------------------------------------------------------------
 def moments() -> dict:
-    """One step's optimizer moments (harness `OptimizerMoments`): two parameters, one of them a
-    rarely moved one, and a MoE layer of two experts, the second chosen by no token."""
-    return {"params": {"backbone.embeddings.weight": 2.0, "backbone.layers.0.mixer.dt_bias": 0.001},
-            "experts": {"backbone.layers.1.mixer.": [[1.0, 2.0], [0.0, 0.0]]}}
+    """One step's optimizer moments (harness `OptimizerMoments`), each [squared norm, projection on
+    a random direction]: two parameters, one of them a rarely moved one (norm 0.02), and a MoE
+    layer of two experts, the second chosen by no token."""
+    return {"params": {"backbone.embeddings.weight": [4.0, -1.0], "backbone.layers.0.mixer.dt_bias": [0.0004, 0.01]},
+            "experts": {"backbone.layers.1.mixer.": [[[1.0, 0.5], [4.0, -1.0]], [[0.0, 0.0], [0.0, 0.0]]]}}
 
 
 def steps(n: int = 3) -> list[dict]:
@@ -181,20 +202,26 @@ def test_steps_that_are_not_a_list_are_infinitely_wrong():
 def test_the_same_moments_match_and_each_is_judged_on_its_own_scale():
     assert moments_error(steps(), steps()) == 0.0
     sub = steps()
-    sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] *= 1.02  # a squared norm: 1% of the norm
+    sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"][0] *= 1.02  # a squared norm: 1% of the norm
     assert moments_error(steps(), sub) == pytest.approx(0.01)
+    sub = steps()
+    sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"][1] += 0.0002  # a projection: 1% of the norm
+    assert moments_error(steps(), sub, directions=True) == pytest.approx(0.01)
+    assert moments_error(steps(), sub) == 0.0
 
 
 def test_a_parameter_the_step_left_untrained_is_wrong():
     sub = steps()
-    sub[0]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] = 0.0
+    sub[0]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] = [0.0, 0.0]
     assert moments_error(steps(), sub) == pytest.approx(0.5)
 
 
 def test_only_zero_moments_match_an_expert_no_token_chose():
     sub = steps()
-    sub[2]["moments"]["experts"]["backbone.layers.1.mixer."][1] = [1e-9, 0.0]
+    sub[2]["moments"]["experts"]["backbone.layers.1.mixer."][1] = [[1e-9, 0.0], [0.0, 0.0]]
     assert moments_error(steps(), sub) > 1e6
+    sub[2]["moments"]["experts"]["backbone.layers.1.mixer."][1] = [[0.0, 1e-9], [0.0, 0.0]]
+    assert moments_error(steps(), sub, directions=True) > 1e6
 
 
 @pytest.mark.parametrize("edit", [
@@ -202,28 +229,107 @@ def test_only_zero_moments_match_an_expert_no_token_chose():
     lambda m: m["params"].__setitem__("backbone.extra.weight", 1.0),
     lambda m: m["params"].__setitem__("backbone.embeddings.weight", math.nan),
     lambda m: m["params"].__setitem__("backbone.embeddings.weight", "2.0"),
+    lambda m: m["params"]["backbone.embeddings.weight"].__setitem__(1, math.nan),
+    lambda m: m["params"]["backbone.embeddings.weight"].__setitem__(1, "-1.0"),
+    lambda m: m["params"]["backbone.embeddings.weight"].pop(),
+    lambda m: m["params"].__setitem__("backbone.embeddings.weight", 4.0),
     lambda m: m["experts"].clear(),
     lambda m: m["experts"]["backbone.layers.1.mixer."].pop(),
-    lambda m: m["experts"]["backbone.layers.1.mixer."][0].append(3.0),
-    lambda m: m["experts"].__setitem__("backbone.layers.1.mixer.", [[2.0, 1.0]] * 3),
+    lambda m: m["experts"]["backbone.layers.1.mixer."][0].append([3.0, 0.0]),
+    lambda m: m["experts"]["backbone.layers.1.mixer."][0][1].pop(),
+    lambda m: m["experts"].__setitem__("backbone.layers.1.mixer.", [[[2.0, 1.0]] * 2] * 3),
     lambda m: m.pop("experts"),
-], ids=["missing-param", "extra-param", "nan", "string", "no-moe-layer", "short-experts", "long-pair",
-        "extra-expert", "no-experts"])
+], ids=["missing-param", "extra-param", "nan", "string", "nan-projection", "string-projection", "no-projection",
+        "squared-norm-alone", "no-moe-layer", "short-experts", "long-pair", "short-entry", "extra-expert",
+        "no-experts"])
 def test_malformed_moments_are_infinitely_wrong(edit):
     sub = steps()
     edit(sub[1]["moments"])
-    assert moments_error(steps(), sub) == math.inf
+    assert moments_error(steps(), sub) == moments_error(steps(), sub, directions=True) == math.inf
 
 
 def test_the_worst_moments_name_where_the_error_comes_from():
     sub = steps()
-    sub[2]["moments"]["experts"]["backbone.layers.1.mixer."][0][1] *= 3.0
-    sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] *= 1.02
+    sub[2]["moments"]["experts"]["backbone.layers.1.mixer."][0][1][0] *= 3.0
+    sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"][0] *= 1.02
     worst = worst_moments(steps(), sub, count=2)
     assert [(w["step"], w["name"]) for w in worst] == [(2, "backbone.layers.1.mixer.experts.0.down_proj"),
                                                         (1, "backbone.layers.0.mixer.dt_bias")]
     assert worst[0]["yours"] == pytest.approx(3 * worst[0]["starter"]) and worst[0]["error"] == pytest.approx(1.0)
     assert worst_moments(steps(), [None] * 3) == []
+
+
+# -- which way the step went: the moments' projections -----------------------------------------------
+def test_a_negated_gradient_keeps_every_norm_and_is_wrong():
+    """The starter's projection of dt_bias is half its norm: negated, it is off by its norm."""
+    sub = steps()
+    sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"][1] *= -1
+    assert moments_error(steps(), sub, directions=True) == pytest.approx(1.0)
+    assert moments_error(steps(), sub) == 0.0
+    worst = worst_moments(steps(), sub, count=2)
+    assert worst[0]["name"] == "backbone.layers.0.mixer.dt_bias (direction)" and worst[1]["error"] == 0.0
+    assert moments_direction_problem(steps(), sub, RTOL) == (
+        "backbone.layers.0.mixer.dt_bias: its gradient points another way than the starter's (a sign or a swapped "
+        "gradient?)")
+    assert moments_direction_problem(steps(), steps(), RTOL) is None
+
+
+def test_a_gradient_of_the_wrong_size_is_not_called_one_pointing_another_way():
+    sub = steps()
+    sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] = [0.0016, 0.02]  # twice the gradient
+    assert moments_error(steps(), sub) > 0.5
+    assert moments_direction_problem(steps(), sub, RTOL) is None
+
+
+def test_swapped_expert_gradients_point_another_way_each():
+    sub = steps()
+    experts = sub[0]["moments"]["experts"]["backbone.layers.1.mixer."]
+    experts[0][0][1], experts[0][1][1] = 1.0, -0.5  # equal norms (made-up), the projections swapped
+    experts[0][0][0] = experts[0][1][0] = 4.0
+    ref = steps()
+    ref[0]["moments"]["experts"]["backbone.layers.1.mixer."][0][0][0] = 4.0
+    assert moments_direction_problem(ref, sub, RTOL) == (
+        "backbone.layers.1.mixer.experts.0.up_proj, backbone.layers.1.mixer.experts.0.down_proj: their gradients "
+        "point another way than the starter's (a sign or a swapped gradient?)")
+
+
+def test_read_by_layer_projections_add_up_per_layer():
+    """A negated gradient of a parameter that weighs in its layer is wrong on its own scale; one
+    at bfloat16's noise (dt_bias, a ten-thousandth of its layer) only moves its layer's sum."""
+    ref = steps()
+    for step in ref:
+        step["moments"]["params"].update({"backbone.layers.0.mixer.in_proj.weight": [1.0, 0.3],
+                                          "backbone.layers.0.mixer.out_proj.weight": [1.0, -0.4]})
+    h200x1 = load_rubric().profile("h200x1").moments_rtol  # its norms' (it records the directions only)
+    sub = copy.deepcopy(ref)
+    sub[1]["moments"]["params"]["backbone.layers.0.mixer.in_proj.weight"][1] = -0.3
+    assert moments_error(ref, sub, "layers", directions=True) == pytest.approx(0.6) and 0.6 > h200x1
+    assert moments_direction_problem(ref, sub, h200x1, "layers").startswith(
+        "backbone.layers.0.mixer.in_proj.weight, backbone.layers.0.* (summed): their gradients point another way")
+    sub = copy.deepcopy(ref)
+    sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"][1] = -0.01
+    assert moments_error(ref, sub, "layers", directions=True) == pytest.approx(0.02 / math.sqrt(2.0004))
+
+
+def test_records_of_squared_norms_alone_still_read_and_forms_must_agree():
+    """Records made before the projections (benchmarks/results/) hold a squared norm per entry:
+    read as such; an answer in another form than the starter's is malformed."""
+    def squared_norms_alone(steps_):
+        for step in steps_:
+            moments = step["moments"]
+            moments["params"] = {name: value[0] for name, value in moments["params"].items()}
+            moments["experts"] = {prefix: [[up[0], down[0]] for up, down in pairs]
+                                  for prefix, pairs in moments["experts"].items()}
+        return steps_
+
+    old = squared_norms_alone(steps())
+    assert moments_error(old, squared_norms_alone(steps())) == moments_error(old, old, "layers") == 0.0
+    assert moments_error(old, old, directions=True) == moments_error(old, old, "layers", directions=True) == 0.0
+    sub = squared_norms_alone(steps())
+    sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] *= 1.02
+    assert moments_error(old, sub) == pytest.approx(0.01)
+    assert moments_error(old, steps()) == moments_error(steps(), old) == math.inf
+    assert moments_error(old, steps(), "layers") == moments_error(steps(), old, "layers") == math.inf
 
 
 # -- the moments read by layer (bfloat16 profiles) -----------------------------------------------------
@@ -232,12 +338,12 @@ def test_read_by_layer_a_parameter_at_the_noise_is_summed_into_its_layer():
     wrong entry by entry, and by its layer's sum only by its share of it."""
     ref = steps()
     for step in ref:
-        step["moments"]["params"]["backbone.layers.0.mixer.in_proj.weight"] = 1.0
+        step["moments"]["params"]["backbone.layers.0.mixer.in_proj.weight"] = [1.0, 0.3]
     sub = copy.deepcopy(ref)
-    sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] *= 3.0
+    sub[1]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"][0] *= 3.0
     assert moments_error(ref, sub) == pytest.approx(1.0)
-    assert moments_error(ref, sub, "layers") == pytest.approx(0.002 / (2 * 1.001))
-    sub[1]["moments"]["params"]["backbone.layers.0.mixer.in_proj.weight"] = 1.5  # the layer's weight: wrong
+    assert moments_error(ref, sub, "layers") == pytest.approx(0.0008 / (2 * 1.0004))
+    sub[1]["moments"]["params"]["backbone.layers.0.mixer.in_proj.weight"] = [1.5, 0.3]  # the layer's weight: wrong
     assert moments_error(ref, sub, "layers") > 0.2
 
 
@@ -246,20 +352,20 @@ def test_read_by_layer_a_parameter_that_weighs_in_its_layer_is_read_on_its_own_s
     0.19, under h200x1's 0.2; on its own scale it is 0.375 wrong."""
     ref = steps()
     for step in ref:
-        step["moments"]["params"].update({"backbone.layers.0.mixer.in_proj.weight": 1.0,
-                                          "backbone.layers.0.mixer.out_proj.weight": 1.0})
+        step["moments"]["params"].update({"backbone.layers.0.mixer.in_proj.weight": [1.0, 0.3],
+                                          "backbone.layers.0.mixer.out_proj.weight": [1.0, -0.4]})
     sub = copy.deepcopy(ref)
-    sub[1]["moments"]["params"]["backbone.layers.0.mixer.in_proj.weight"] = 0.25
+    sub[1]["moments"]["params"]["backbone.layers.0.mixer.in_proj.weight"] = [0.25, 0.15]
     assert moments_error(ref, sub, "layers") == pytest.approx(0.375)
     worst = worst_moments(ref, sub, count=2, reading="layers")
     assert [w["name"] for w in worst] == ["backbone.layers.0.mixer.in_proj.weight", "backbone.layers.0.* (summed)"]
-    assert worst[1]["error"] == pytest.approx(0.75 / (2 * 2.001))
+    assert worst[1]["error"] == pytest.approx(0.75 / (2 * 2.0004))
     assert worst[1]["error"] < load_rubric().profile("h200x1").moments_rtol < worst[0]["error"]
 
 
 def test_read_by_layer_a_parameter_stepped_on_one_side_only_is_infinitely_wrong():
     sub = steps()
-    sub[0]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] = 0.0  # never trained
+    sub[0]["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] = [0.0, 0.0]  # never trained
     assert moments_error(steps(), sub, "layers") == math.inf
     worst = worst_moments(steps(), sub, count=1, reading="layers")
     assert worst[0]["name"] == "backbone.layers.0.mixer.dt_bias" and worst[0]["error"] is None
@@ -267,10 +373,10 @@ def test_read_by_layer_a_parameter_stepped_on_one_side_only_is_infinitely_wrong(
 
 def test_read_by_layer_routed_experts_are_summed_apart_from_the_layers_other_parameters():
     sub = steps()
-    sub[2]["moments"]["experts"]["backbone.layers.1.mixer."][1] = [1e-9, 0.0]  # a routing flip: no longer inf
-    assert moments_error(steps(), sub, "layers") == pytest.approx(1e-9 / 6)
+    sub[2]["moments"]["experts"]["backbone.layers.1.mixer."][1] = [[1e-9, 0.0], [0.0, 0.0]]  # a routing flip
+    assert moments_error(steps(), sub, "layers") == pytest.approx(1e-9 / 10)  # no longer inf
     sub = steps()
-    sub[2]["moments"]["experts"]["backbone.layers.1.mixer."][0] = [2.0, 4.0]  # the layer's experts twice over
+    sub[2]["moments"]["experts"]["backbone.layers.1.mixer."][0] = [[2.0, 1.0], [8.0, -2.0]]  # twice over
     assert moments_error(steps(), sub, "layers") == pytest.approx(0.5)
     assert worst_moments(steps(), sub, count=1, reading="layers")[0]["name"] == \
         "backbone.layers.1.routed experts (summed)"
@@ -419,7 +525,7 @@ def moments_off_step(profile) -> SessionResult:
     """A step whose losses are the starter's but that left one parameter untrained."""
     wrong = steps(profile.warmup + profile.repeats)
     for step in wrong:
-        step["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] = 0.0
+        step["moments"]["params"]["backbone.layers.0.mixer.dt_bias"] = [0.0, 0.0]
     return run(wrong, 0.1)
 
 
@@ -428,6 +534,22 @@ def test_a_step_that_applied_other_gradients_zeroes_part1(profile):
     scores, outputs = part1(profile, 1 / 8, moments_off_step(profile))
     assert scores == [0, 0]
     assert re.search(r"first moments .* worst relative error 0\.5 \(tolerance", outputs[0]), outputs[0]
+
+
+def negated_step(profile) -> SessionResult:
+    """Every norm the starter's, the losses too: one parameter's gradient negated."""
+    negated = steps(profile.warmup + profile.repeats)
+    for step in negated:
+        step["moments"]["params"]["backbone.layers.0.mixer.dt_bias"][1] *= -1
+    return run(negated, 0.1)
+
+
+def test_a_step_whose_gradient_points_another_way_zeroes_part1(profile):
+    scores, outputs = part1(profile, 1 / 8, negated_step(profile))
+    assert scores == [0, 0]
+    assert re.search(r"first moments .* worst relative error 0 \(tolerance 0\.001\), along random directions 1 "
+                     r"\(tolerance 0\.001\): backbone\.layers\.0\.mixer\.dt_bias: its gradient points another way "
+                     r"than the starter's", outputs[0]), outputs[0]
 
 
 def test_a_renamed_parameter_is_named_in_the_feedback(profile):
@@ -442,9 +564,19 @@ def test_a_renamed_parameter_is_named_in_the_feedback(profile):
 
 
 def test_a_profile_without_a_moments_tolerance_records_them_only(profile):
-    scores, outputs = part1(dataclasses.replace(profile, moments_rtol=None), 1 / 8, moments_off_step(profile))
+    unscored = dataclasses.replace(profile, moments_rtol=None, moments_direction_rtol=None)
+    scores, outputs = part1(unscored, 1 / 8, moments_off_step(profile))
     assert scores[0] == 4.0
-    assert re.search(r"worst relative error 0\.5 \(recorded, not scored", outputs[0]), outputs[0]
+    assert re.search(r"worst relative error 0\.5 \(recorded, not scored.*\), along random directions 0\.5 "
+                     r"\(recorded, not scored", outputs[0]), outputs[0]
+    scores, outputs = part1(dataclasses.replace(profile, moments_direction_rtol=None), 1 / 8, negated_step(profile))
+    assert scores[0] == 4.0 and "points another way" not in outputs[0]
+
+
+def test_the_cpu_profiles_score_the_directions_and_the_bfloat16_ones_record_them():
+    rubric = load_rubric()
+    assert [rubric.profile(name).moments_direction_rtol for name in ("cpu-tiny", "cpu-8proc")] == [1e-3, 1e-3]
+    assert all(rubric.profile(name).moments_direction_rtol is None for name in ("h200x1", "h200x2", "h100x8"))
 
 
 def test_breaking_the_step_never_earns_more_than_an_honest_slow_one(profile):

@@ -255,21 +255,217 @@ def test_the_ranks_moments_merge_into_one_reading_and_a_lost_expert_fails(monkey
     pipeline stage): merged, they read as one rank would; an expert no rank holds fails."""
     harness = _harness()
     layer = Stacked(_starter_state())
-    whole, part = (lambda v: [v, False]), (lambda v: [v, True])  # held whole / a shard's part
-    first = {"params": {"b": whole(2.0), "c": part(0.5)}, "experts": {"m.": [[whole(1.0), part(1.5)], [None, None]]}}
-    second = {"params": {"a": whole(1.0), "b": whole(2.0), "c": part(0.25)},
+    # [squared norm, projection], held whole / a shard's part
+    whole, part = (lambda v, p=0.5: [[v, p], False]), (lambda v, p=0.5: [[v, p], True])
+    first = {"params": {"b": whole(2.0), "c": part(0.5, -0.25)},
+             "experts": {"m.": [[whole(1.0), part(1.5)], [None, None]]}}
+    second = {"params": {"a": whole(1.0), "b": whole(2.0), "c": part(0.25, 1.0)},
               "experts": {"m.": [[None, part(0.5)], [whole(3.0), whole(4.0)]]}}
     moments = harness.OptimizerMoments(layer, {}, type("Config", (), {"n_routed_experts": 2})(), world=2)
     monkeypatch.setattr(harness, "gathered", lambda reading: [first, second])
-    assert moments._merged(first) == {"params": {"a": 1.0, "b": 2.0, "c": 0.75},
-                                      "experts": {"m.": [[1.0, 2.0], [3.0, 4.0]]}}
-    second["params"]["b"] = whole(2.5)  # a replica another rank trained otherwise
-    assert math.isnan(moments._merged(first)["params"]["b"])
+    assert moments._merged(first) == {"params": {"a": [1.0, 0.5], "b": [2.0, 0.5], "c": [0.75, 0.75]},
+                                      "experts": {"m.": [[[1.0, 0.5], [2.0, 1.0]], [[3.0, 0.5], [4.0, 0.5]]]}}
+    second["params"]["b"] = whole(2.0, -0.5)  # a replica another rank trained otherwise
+    assert all(math.isnan(v) for v in moments._merged(first)["params"]["b"])
     second["experts"]["m."][1][1] = None
     with pytest.raises(RuntimeError, match=r"m\.: expert 1's down_proj was not found .* on some rank"):
         moments._merged(first)
 
 
+# -- the optimizer's moments: how far and which way ------------------------------------------------
+class TwoWeights(nn.Module):
+    """Two parameters of one size (the swap's pair) and a bias."""
+
+    def __init__(self, shape=(5, 3)):
+        super().__init__()
+        gen = torch.Generator().manual_seed(1)
+        self.first = nn.Parameter(torch.randn(shape, generator=gen))
+        self.second = nn.Parameter(torch.randn(shape, generator=gen))
+        self.bias = nn.Parameter(torch.randn(3, generator=gen))
+
+
+def _stepped(model: nn.Module, grads: dict) -> torch.optim.Optimizer:
+    """One AdamW step of `model` on the gradients `grads` (by name)."""
+    for name, param in model.named_parameters():
+        param.grad = grads[name].reshape(param.shape).clone()
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.step()
+    return optimizer
+
+
+def _moments_reading(model, grads, seed, state=None):
+    harness = _harness()
+    moments = harness.OptimizerMoments(model, state or {}, type("Config", (), {"n_routed_experts": 0})())
+    return moments.digest(_stepped(model, grads), seed)
+
+
+def _grads():
+    gen = torch.Generator().manual_seed(2)
+    first = torch.randn(5, 3, generator=gen)
+    return {"first": first, "second": first.flip(0), "bias": torch.randn(3, generator=gen)}  # one norm, two ways
+
+
+def test_a_negated_or_swapped_gradient_keeps_every_norm_and_turns_the_projections():
+    from grader.a1.compare import moments_direction_problem
+
+    honest = _moments_reading(TwoWeights(), _grads(), seed=11)
+    negated = _moments_reading(TwoWeights(), {**_grads(), "bias": -_grads()["bias"]}, seed=11)
+    swapped = _moments_reading(TwoWeights(), {**_grads(), "first": _grads()["second"], "second": _grads()["first"]},
+                               seed=11)
+    for name, (squared, projection) in honest["params"].items():
+        assert squared > 0 and abs(projection) > 1e-3 * math.sqrt(squared), name
+        assert negated["params"][name][0] == pytest.approx(squared, rel=1e-6)
+        assert swapped["params"][name][0] == pytest.approx(squared, rel=1e-6)
+    assert negated["params"]["bias"][1] == pytest.approx(-honest["params"]["bias"][1], rel=1e-6)
+    assert negated["params"]["first"] == honest["params"]["first"]
+    steps = [{"moments": honest}]
+    assert moments_direction_problem(steps, [{"moments": negated}], 1e-3).startswith("bias: its gradient points")
+    assert moments_direction_problem(steps, [{"moments": swapped}], 1e-3).startswith("first, second: their gradients")
+
+
+def test_directions_come_from_the_seed_and_the_starters_layout():
+    """The same seed reads the same projections in every child, another seed others; a parameter
+    kept in another shape than the starter's is read in the starter's; one of another size is
+    refused in one line."""
+    harness = _harness()
+    same, again = _moments_reading(TwoWeights(), _grads(), 11), _moments_reading(TwoWeights(), _grads(), 11)
+    assert same == again
+    other = _moments_reading(TwoWeights(), _grads(), 12)
+    assert all(other["params"][n][1] != same["params"][n][1] for n in same["params"])
+    state = {name: p.detach().clone() for name, p in TwoWeights().named_parameters()}
+    flat = _moments_reading(TwoWeights((15,)), _grads(), 11, state)  # the starter's [5, 3], kept flat
+    assert flat["params"] == {name: pytest.approx(value, rel=1e-6) for name, value in same["params"].items()}
+    with pytest.raises(RuntimeError, match=r"a parameter of shape \(4, 3\) is kept under the name of the starter's "
+                                           r"of shape \(5, 3\): keep the starter's parameters"):
+        _moments_reading(TwoWeights((4, 3)), {**_grads(), "first": torch.ones(12), "second": torch.ones(12)}, 11,
+                         state)
+    assert len({harness._generator(11, name, "cpu").initial_seed() for name in ("first", "second")}) == 2
+
+
+class Experts(nn.Module):
+    """A MoE layer of 4 experts as `backbone.layers.0.mixer`, its experts per expert (the
+    starter's), stacked or stacked transposed, with the starter's values."""
+
+    def __init__(self, state, layout):
+        super().__init__()
+        mixer = nn.Module()
+        if layout == "loop":
+            mixer.experts = nn.ModuleList()
+            for j in range(4):
+                expert = nn.Module()
+                for name in ("up_proj", "down_proj"):
+                    setattr(expert, name, nn.Module())
+                    getattr(expert, name).weight = nn.Parameter(state[f"m.experts.{j}.{name}.weight"].clone())
+                mixer.experts.append(expert)
+        else:
+            stacked = Stacked(state, transposed=layout == "transposed")
+            mixer.up, mixer.down = stacked.up, stacked.down
+            if layout in ("first-half", "second-half"):  # expert parallelism: a rank's experts
+                half = slice(0, 2) if layout == "first-half" else slice(2, 4)
+                mixer.up = nn.Parameter(stacked.up[half].detach())
+                mixer.down = nn.Parameter(stacked.down[half].detach())
+        mixer.gate = nn.Parameter(torch.ones(4, 6))
+        self.backbone = nn.Module()
+        self.backbone.layers = nn.ModuleList([nn.Module()])
+        self.backbone.layers[0].mixer = mixer
+
+
+def test_each_expert_reads_alike_whatever_the_layout_holds_it():
+    """Per expert, stacked, stacked transposed: the same moments read the same, expert by expert;
+    two experts' gradients of one norm swapped in a stacked parameter read otherwise."""
+    harness, starter = _harness(), _starter_state()
+    state = {k.replace("m.", "backbone.layers.0.mixer."): v for k, v in starter.items()}
+    state["backbone.layers.0.mixer.gate"] = torch.ones(4, 6)
+    gen = torch.Generator().manual_seed(3)
+    up, down = torch.randn(4, 5, 6, generator=gen), torch.randn(4, 6, 5, generator=gen)
+    up[1], up[2] = up[0].flip(0), 0  # expert 1: expert 0's norm; expert 2: no token chose it
+
+    def read(layout, up=up, world=1):
+        model = Experts(starter, layout)
+        grads = {"backbone.layers.0.mixer.gate": torch.ones(4, 6)}
+        half = {"first-half": slice(0, 2), "second-half": slice(2, 4)}.get(layout, slice(0, 4))
+        for name, _ in model.named_parameters():
+            if name.endswith("up"):
+                grads[name] = up.transpose(1, 2) if layout == "transposed" else up[half]
+            elif name.endswith("down"):
+                grads[name] = down[half]
+            elif ".experts." in name:
+                j, projection = int(name.split(".")[5]), name.split(".")[6]
+                grads[name] = (up if projection == "up_proj" else down)[j]
+        moments = harness.OptimizerMoments(model, state, type("Config", (), {"n_routed_experts": 4})(), world)
+        return moments.digest(_stepped(model, grads), seed=5)
+
+    loop = read("loop")
+    assert loop["experts"]["backbone.layers.0.mixer."][2][0] == [0.0, 0.0]
+    for layout in ("stacked", "transposed"):
+        reading = read(layout)
+        assert set(reading["params"]) == set(loop["params"]) == {"backbone.layers.0.mixer.gate"}
+        for ours, theirs in zip(loop["experts"]["backbone.layers.0.mixer."],
+                                reading["experts"]["backbone.layers.0.mixer."]):
+            assert theirs == [pytest.approx(pair, rel=1e-5, abs=1e-9) for pair in ours], layout
+    # expert parallelism: each rank reads the experts it holds, merged they read as one rank's
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(harness.OptimizerMoments, "_merged", lambda self, reading: reading)
+        ranks = [read(layout, world=2) for layout in ("first-half", "second-half")]
+    assert [[up is None for up, _ in rank["experts"]["backbone.layers.0.mixer."]] for rank in ranks] == \
+        [[False, False, True, True], [True, True, False, False]]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(harness, "gathered", lambda reading: ranks)
+        merged = harness.OptimizerMoments._merged(None, ranks[0])
+    for ours, theirs in zip(loop["experts"]["backbone.layers.0.mixer."], merged["experts"]["backbone.layers.0.mixer."]):
+        assert theirs == [pytest.approx(pair, rel=1e-5, abs=1e-9) for pair in ours]
+    swapped = read("stacked", up=up[[1, 0, 2, 3]])
+    from grader.a1.compare import moments_direction_problem
+    assert moments_direction_problem([{"moments": loop}], [{"moments": swapped}], 1e-3).startswith(
+        "backbone.layers.0.mixer.experts.0.up_proj, backbone.layers.0.mixer.experts.1.up_proj: their gradients")
+
+
+def _weights(shapes: list[tuple]) -> tuple[nn.Module, dict]:
+    """A model of one parameter per shape, and a gradient for each (the same on every rank)."""
+    gen = torch.Generator().manual_seed(4)
+    model = nn.Module()
+    model.layers = nn.ModuleList()
+    for shape in shapes:
+        layer = nn.Module()
+        layer.weight = nn.Parameter(torch.randn(shape, generator=gen))
+        model.layers.append(layer)
+    return model, {f"layers.{i}.weight": torch.randn(shape, generator=gen) for i, shape in enumerate(shapes)}
+
+
+def sharded_moments(shapes: list[tuple]) -> list[dict]:
+    """On each rank, for FSDP2 over all ranks and over a (replicate, shard) mesh of (2, 1): the
+    parameters of `shapes` sharded, one AdamW step on the same gradients, and the harness's merged
+    reading of the moments."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    harness = _harness()
+    readings = []
+    for mesh in (init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))):
+        model, grads = _weights(shapes)
+        fully_shard(model, mesh=mesh)
+        for name, param in model.named_parameters():
+            param.grad = distribute_tensor(grads[name], param.device_mesh, param.placements)
+        optimizer = torch.optim.AdamW(model.parameters())
+        optimizer.step()
+        moments = harness.OptimizerMoments(model, {}, type("Config", (), {"n_routed_experts": 0})(), world=2)
+        readings.append(moments.digest(optimizer, seed=9))
+    return readings
+
+
+def test_a_sharded_moment_reads_as_one_rank_would():
+    """Each rank projects its shard on its slice of the direction: the parts add up to the whole's
+    projection (uneven shards and a shard of nothing included), replicas count once."""
+    from dist_utils import run_distributed
+
+    shapes = [(5, 3), (1, 4), (3,), (2, 1, 4)]
+    ranks = run_distributed(sharded_moments, world_size=2, args=(shapes,))
+    assert ranks[0] == ranks[1]
+    one_rank = _moments_reading(*_weights(shapes), seed=9)
+    for layout, reading in zip(("sharded", "replicated"), ranks[0]):
+        assert reading["params"] == {name: pytest.approx(value, rel=1e-5)
+                                     for name, value in one_rank["params"].items()}, layout
 def test_a_rank_reports_the_experts_it_holds_with_their_gradients_and_optimizer_state():
     """Part 2's evidence that a rank holds its experts only: counted in the parameters found
     holding the loaded experts (not in another parameter of the layer), after an AdamW step."""

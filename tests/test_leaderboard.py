@@ -300,7 +300,7 @@ def test_h200x1_grading_records_the_reference_steps_tokens_and_mfu(tmp_path, mon
     its speedup over the starter in the same job and its MFU (the only step that profile times)."""
     monkeypatch.setattr(scoring, "moe_error", lambda ref, sub: 0.0)
     monkeypatch.setattr(scoring, "loss_error", lambda ref, sub: 0.0)
-    monkeypatch.setattr(scoring, "moments_error", lambda ref, sub, reading: 0.0)  # h200x1 scores them
+    monkeypatch.setattr(scoring, "moments_error", lambda ref, sub, reading, directions=False: 0.0)  # scored there
     rubric = load_rubric()
     profile = rubric.profiles["h200x1"]
     moe = SessionResult(digests=[[]], seconds=[1.0] * 7)

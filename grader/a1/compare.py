@@ -50,12 +50,13 @@ def _sketch_errors(ref: list, sub, scale: float) -> list[float]:
 
 
 def _moe_digest_error(ref: dict, sub) -> float:
-    """Output, input gradient, each expert's gradients (so a gradient in another expert's slot,
-    or of the wrong sign, shows), and the totals of every parameter's gradient.
+    """Output, input gradient, each expert's gradients and each of the layer's other parameters'
+    by the starter's name (so a gradient in another expert's slot or parameter's, or of the wrong
+    sign, shows), and the totals of every parameter's gradient.
 
-    Each expert's gradient is compared on the scale of its own norm, not the largest expert's:
-    a rarely routed expert's small gradient must be right too. An expert no token chose has a
-    zero gradient, and only zero matches it."""
+    Each expert's (each parameter's) gradient is compared on the scale of its own norm, not the
+    largest expert's: a rarely routed expert's small gradient must be right too. An expert no
+    token chose has a zero gradient, and only zero matches it."""
     if not isinstance(sub, dict) or set(sub) != set(ref):
         return math.inf
     errors = _sketch_errors(ref["out"], sub["out"], ref["out"][-1])
@@ -69,6 +70,11 @@ def _moe_digest_error(ref: dict, sub) -> float:
             return math.inf
         for r, t in zip(ours, theirs):
             errors += _sketch_errors(r, t, r[-1])
+    named = sub["named"]
+    if not isinstance(named, dict) or set(named) != set(ref["named"]):
+        return math.inf
+    for name, r in ref["named"].items():
+        errors += _sketch_errors(r, named[name], r[-1])
     if not _same_length(ref["dparams"], sub["dparams"]) or _number(sub["dparams"][0]) != ref["dparams"][0]:
         return math.inf  # not the same number of gradient values
     (_, l1, l2), (_, m1, m2) = ref["dparams"], sub["dparams"]
@@ -98,20 +104,44 @@ def _squared_norm_error(ref, sub) -> float:
     return relative_error(sub, ref, 2 * ref) if _number(ref) is not None else math.inf
 
 
+def _projection_error(ref, sub, squared_norm) -> float:
+    """A projection on a random direction (harness `OptimizerMoments`) against the starter's, on the
+    scale of the starter's norm (the projection's own: E[p^2] = ||m||^2), so that a moment off by e
+    of its norm in any direction reads about e, like the norm's error, and one negated 2|p|/||m||,
+    about 2|N(0, 1)| on a direction drawn afresh each step (under 1e-3 at one step with odds of
+    about 3e-3); a zero only matches a zero."""
+    return relative_error(sub, ref, math.sqrt(squared_norm)) if _number(squared_norm) is not None else math.inf
+
+
+def _readings(ref, sub) -> tuple[tuple, tuple] | None:
+    """The starter's and the submission's entry as (squared norm, projection): an entry is
+    [squared norm, projection]; records made before the projections hold the squared norm alone
+    (projection None). The submission's must have the starter's form; None when it has not."""
+    if isinstance(ref, list):
+        if not _same_length(ref, sub):
+            return None
+        return tuple(ref), tuple(sub)
+    return None if isinstance(sub, (list, dict)) else ((ref, None), (sub, None))
+
+
 MOMENTS_READINGS = ("entries", "layers")
 # under `layers`, a parameter holding at least this share of its layer's moments is read on its own
 # scale too: its sum alone would let it be wrong by as much as the layer's tolerance over its share
 OWN_SCALE_SHARE = 0.05
 LAYER = re.compile(r"^(.*?\.layers\.\d+\.)")
+DIRECTION = " (direction)"  # the name of an entry's projection, beside its squared norm's
 
 
 def _moments_digest_errors(ref: dict, sub, reading: str = "entries") -> list[tuple[float, str, float, float]] | None:
     """One step's optimizer moments (harness `OptimizerMoments`) entry by entry: (error, what,
-    the starter's, the submission's); None when malformed. `entries`: every parameter by the
-    starter's name and every routed expert's up and down projection, each on its own scale.
+    the starter's, the submission's); None when malformed. Each moment is read twice: its squared
+    norm (how far the step went), and its projection on a random direction (which way), named
+    `<name> (direction)`. `entries`: every parameter by the starter's name and every routed expert's
+    up and down projection, each on its own scale.
     `layers` (bfloat16 profiles, where a parameter whose gradient sits at bfloat16's noise, a Mamba
     layer's dt_bias, or a rarely routed expert, reads differently on every run): each layer's
-    parameters summed, and its routed experts summed, on their own scale, with each parameter that
+    parameters summed (norms and projections alike: projections of a layer's parameters add up to
+    its whole moment's), and its routed experts summed, on their own scale, with each parameter that
     holds OWN_SCALE_SHARE of its layer's on its own scale too; and a parameter stepped on one side
     only (its moment exactly zero on the other) is infinitely wrong."""
     if not isinstance(sub, dict) or set(sub) != {"params", "experts"}:
@@ -121,7 +151,7 @@ def _moments_digest_errors(ref: dict, sub, reading: str = "entries") -> list[tup
         return None
     if not isinstance(experts, dict) or set(experts) != set(ref["experts"]):
         return None
-    entries = [(name, value, params[name], False) for name, value in ref["params"].items()]
+    entries = [(name, _readings(value, params[name]), False) for name, value in ref["params"].items()]
     for prefix, ours in ref["experts"].items():
         theirs = experts[prefix]
         if not _same_length(ours, theirs):
@@ -129,21 +159,37 @@ def _moments_digest_errors(ref: dict, sub, reading: str = "entries") -> list[tup
         for j, (pair, other) in enumerate(zip(ours, theirs)):
             if not _same_length(pair, other):
                 return None
-            entries += [(f"{prefix}experts.{j}.{projection}", a, b, True)
+            entries += [(f"{prefix}experts.{j}.{projection}", _readings(a, b), True)
                         for projection, a, b in zip(("up_proj", "down_proj"), pair, other)]
-    if reading == "entries":
-        return [(_squared_norm_error(a, b), name, a, b) for name, a, b, _ in entries]
-    if any(_number(b) is None for _, _, b, _ in entries):
+    if any(read is None for _, read, _ in entries):
         return None
-    errors = [(math.inf, name, a, b) for name, a, b, routed in entries if not routed and (a == 0) != (b == 0)]
-    sums: dict[str, list[float]] = {}
+    entries = [(name, a, b, routed) for name, (a, b), routed in entries]
+    if any(_number(v) is None for _, a, b, _ in entries for v, r in zip(b, a) if r is not None):
+        return None
+    if reading == "entries":
+        return [error for name, a, b, _ in entries for error in _entry_errors(name, a, b)]
+    errors = [(math.inf, name, a[0], b[0]) for name, a, b, routed in entries
+              if not routed and (a[0] == 0) != (b[0] == 0)]
+    projected = all(a[1] is not None for _, a, _, _ in entries)
+    sums: dict[str, list[list[float]]] = {}  # group -> [the starter's, the submission's] (squared norm, projection)
     for name, a, b, routed in entries:
-        totals = sums.setdefault(_layer_group(name, routed), [0.0, 0.0])
-        totals[0] += a
-        totals[1] += b
-    errors += [(_squared_norm_error(a, b), name, a, b) for name, a, b, routed in entries  # the layer's weight
-               if not routed and a >= OWN_SCALE_SHARE * sums[_layer_group(name, routed)][0]]
-    return errors + [(_squared_norm_error(a, b), group, a, b) for group, (a, b) in sums.items()]
+        for total, ours in zip(sums.setdefault(_layer_group(name, routed), [[0.0, 0.0], [0.0, 0.0]]), (a, b)):
+            total[0] += ours[0]
+            total[1] += ours[1] if projected else 0.0
+    errors += [error for name, a, b, routed in entries  # the layer's weight
+               if not routed and a[0] >= OWN_SCALE_SHARE * sums[_layer_group(name, routed)][0][0]
+               for error in _entry_errors(name, a, b)]
+    return errors + [error for group, (a, b) in sums.items()
+                     for error in _entry_errors(group, (a[0], a[1] if projected else None), b)]
+
+
+def _entry_errors(name: str, ref: tuple, sub: tuple) -> list[tuple[float, str, float, float]]:
+    """The errors of one entry's (squared norm, projection), each as (error, what, the starter's,
+    the submission's); the projection's only where the starter's has one."""
+    errors = [(_squared_norm_error(ref[0], sub[0]), name, ref[0], sub[0])]
+    if ref[1] is not None:
+        errors.append((_projection_error(ref[1], sub[1], ref[0]), name + DIRECTION, ref[1], sub[1]))
+    return errors
 
 
 def _layer_group(name: str, routed: bool) -> str:
@@ -155,22 +201,24 @@ def _layer_group(name: str, routed: bool) -> str:
     return match.group(1) + ("routed experts (summed)" if routed else "* (summed)")
 
 
-def _moments_digest_error(ref: dict, sub, reading: str = "entries") -> float:
+def _moments_digest_error(ref: dict, sub, reading: str, directions: bool) -> float:
     errors = _moments_digest_errors(ref, sub, reading)
-    return math.inf if errors is None else max((e for e, *_ in errors), default=0.0)
+    return math.inf if errors is None else max((e for e, name, *_ in errors
+                                                if name.endswith(DIRECTION) == directions), default=0.0)
 
 
-def moments_error(ref: list[dict], sub: list[dict], reading: str = "entries") -> float:
+def moments_error(ref: list[dict], sub: list[dict], reading: str = "entries", directions: bool = False) -> float:
     """Worst relative error of the optimizer's first moments after each step, read as `reading`
     says (`_moments_digest_errors`): the gradients the step applied, which a loss and a global
-    gradient norm only sum up. A step missing or extra, or moments missing, is infinitely wrong."""
+    gradient norm only sum up; their norms, or with `directions` their projections on random
+    directions. A step missing or extra, or moments missing or malformed, is infinitely wrong."""
     if not _same_length(ref, sub) or not ref:
         return math.inf
     errors = [0.0]
     for r, s in zip(ref, sub):
         if not isinstance(s, dict) or not isinstance(r.get("moments"), dict):
             return math.inf
-        errors.append(_moments_digest_error(r["moments"], s.get("moments"), reading))
+        errors.append(_moments_digest_error(r["moments"], s.get("moments"), reading, directions))
     return max(errors)
 
 
@@ -199,3 +247,21 @@ def moments_names_problem(ref: list[dict], sub: list[dict]) -> str | None:
     missing, extra = sorted(ours - theirs), sorted(theirs - ours)
     return (f"parameters named otherwise than the starter's (missing {', '.join(missing[:3]) or 'none'}; "
             f"new {', '.join(extra[:3]) or 'none'}): keep the starter's names outside the routed experts")
+
+
+def moments_direction_problem(ref: list[dict], sub: list[dict], rtol: float, reading: str = "entries") -> str | None:
+    """The moments whose projection is off by more than `rtol` while their norm is within it, in
+    words for the feedback: a gradient of the right size pointing another way (negated, another
+    parameter's, rows swapped); None when there is none."""
+    names: list[str] = []
+    for r, s in zip(ref, sub):
+        errors = _moments_digest_errors(r.get("moments") or {}, s.get("moments"), reading) \
+            if isinstance(s, dict) and isinstance(r.get("moments"), dict) else None
+        norms = {name: e for e, name, *_ in errors or [] if not name.endswith(DIRECTION)}
+        names += [name for e, direction, *_ in errors or [] if direction.endswith(DIRECTION) and e > rtol
+                  and norms.get(name := direction.removesuffix(DIRECTION), math.inf) <= rtol and name not in names]
+    if not names:
+        return None
+    which = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (f"{which}: {'its gradient points' if len(names) == 1 else 'their gradients point'} another way than "
+            "the starter's (a sign or a swapped gradient?)")

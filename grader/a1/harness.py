@@ -199,6 +199,10 @@ class MoeSession:
         if "compute_dtype" in spec:
             self.layer.to(self.dtype)
         self.experts = ExpertSlots(self.layer, state, "backbone.layers.0.mixer.", config.n_routed_experts)
+        in_slots = {id(slot[0]) for column in self.experts.slots.values() for slot in column}
+        # the layer's other parameters (router, shared experts): (the starter's name, it, the starter's shape)
+        self.named = sorted((name, p, tuple(state.get(f"backbone.layers.0.mixer.{name}", p).shape))
+                            for name, p in self.layer.named_parameters() if id(p) not in in_slots)
         self.shape = (1, spec["moe"]["tokens"], config.hidden_size)
 
     def info(self) -> dict:
@@ -208,12 +212,14 @@ class MoeSession:
         """`iters` forward+backward passes on inputs drawn from `seed` (several per workload, so
         the round trip through the pipes is a small part of what the grader times), each one
         checked. Expert gradients are sketched expert by expert, read from the parameters that
-        hold each expert (`ExpertSlots`): a gradient in another expert's slot, or with its sign
-        flipped, shows."""
+        hold each expert (`ExpertSlots`), and the layer's other parameters' by name: a gradient in
+        another expert's slot or parameter's, or with its sign flipped, shows."""
         import torch
 
         gen = torch.Generator(self.device).manual_seed(seed)
         stored = _dtype(self.spec["dtype"])
+        along = {name: torch.randn(shape, generator=_generator(seed, name, self.device), device=self.device)
+                 for name, _, shape in self.named}
         digests = []
         for _ in range(self.spec["moe"].get("iters", 1)):
             x, grad_out, probe = (torch.randn(self.shape, generator=gen, device=self.device).to(stored).to(self.dtype)
@@ -225,11 +231,14 @@ class MoeSession:
             for name, grad in zip(("up", "down"), self.experts.grads()):
                 direction = torch.randn(grad.shape, generator=gen, device=self.device)
                 experts[name] = _sketch_rows(grad, direction)
+            named = {name: _sketch(_in_shape(p.grad if p.grad is not None else torch.zeros_like(p), shape), along[name])
+                     for name, p, shape in self.named}
             params = [p for p in self.layer.parameters() if p.grad is not None]
             digests.append({
                 "out": _sketch(y, grad_out, probe),
                 "dx": _sketch(x.grad, grad_out, probe),
                 "experts": experts,
+                "named": named,
                 "dparams": _grad_norms([p.grad for p in params]),
             })
             for p in params:
@@ -237,18 +246,57 @@ class MoeSession:
         return digests
 
 
+def _generator(seed: int, name: str, device):
+    """A generator on `device` seeded from the workload's `seed` and `name` (Python's `hash` is
+    salted per process): the same values in every child and on every rank of a job, whose GPUs are
+    of one kind (a CUDA generator's values follow the device's multiprocessor count), drawn on the
+    device of what they are for, in a few kernels: they sit inside the timed workload."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def _in_shape(tensor, shape: tuple):
+    """A parameter's moment or gradient in the starter's `shape` (the same values in the same order)."""
+    if tensor.numel() != math.prod(shape):
+        raise RuntimeError(f"a parameter of shape {tuple(tensor.shape)} is kept under the name of the starter's of "
+                           f"shape {shape}: keep the starter's parameters (their values) under its names")
+    return tensor if tuple(tensor.shape) == shape else tensor.reshape(shape)
+
+
+def _project(t, factors):
+    """<t, the outer product of `factors`> (one per dimension of t), the last dimension contracted
+    first: one pass over t. With factors of independent standard normal values, E[p^2] = ||t||^2, as
+    on a dense random direction, at the cost of sum(shape) random values instead of numel."""
+    t = t.float()
+    for factor in reversed(factors):
+        t = t @ factor
+    return t
+
+
 class OptimizerMoments:
-    """The step's gradients as the optimizer took them, read from its state after the step: the
-    squared norm of each parameter's AdamW first moment (after the first step, the clipped gradient
-    times 1 - beta1), keyed by the starter's name, and each routed expert's, found by value as
-    `ExpertSlots` finds it. The training path itself fills that state; the grader asks nothing of it.
-    A parameter the optimizer did not step reads as zero.
+    """The step's gradients as the optimizer took them, read from its state after the step: each
+    parameter's AdamW first moment (after the first step, the clipped gradient times 1 - beta1),
+    keyed by the starter's name, and each routed expert's, found by value as `ExpertSlots` finds
+    it, as [its squared norm, its projection on a random direction]. The training path itself fills
+    that state; the grader asks nothing of it. A parameter the optimizer did not step reads as zero.
+
+    The norm says how far a parameter stepped, the projection which way: a gradient negated, or
+    another parameter's of the same size, keeps every norm. Each direction is drawn from the
+    workload's seed and the parameter's (the expert's) starter name, in the starter's layout (a
+    parameter of another shape is read reshaped to the starter's), fresh every step, the same in
+    the starter's child and the submission's; an outer product of one random vector per dimension,
+    drawn where the moment is, so that it costs a few random values and one pass over the moment
+    (`_project`) inside the timed step.
 
     Over several ranks the reading is the same whatever the layout: a sharded moment is read
-    shard by shard (each rank's part, summed over the ranks), a pipeline stage gives the
-    parameters it holds (their names are the whole model's), an expert is read where a rank holds
-    it, and the ranks' readings are merged in one gather per step, so a layout reads as one rank
-    would."""
+    shard by shard (each rank's part of the norm, and its part of the projection on its slice of the
+    direction, summed over the ranks), a pipeline stage gives the parameters it holds (their names
+    are the whole model's), an expert is read where a rank holds it, and the ranks' readings are
+    merged in one gather per step, so a layout reads as one rank would."""
 
     WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
@@ -272,6 +320,11 @@ class OptimizerMoments:
             for name, param in module.named_parameters():
                 if id(param) not in in_slots:
                     self.params.setdefault(self.plain(name), param)
+        # the starter's layout, the directions': each parameter's shape, each expert projection's
+        self.shapes = {name: tuple(state[name].shape) if name in state else tuple(param.shape)
+                       for name, param in self.params.items()}
+        self.shapes.update({f"{prefix}experts.{name}": tuple(state[f"{prefix}experts.0.{name}.weight"].shape)
+                            for prefix in self.experts for name in ExpertSlots.LAYOUT.values()})
 
     @classmethod
     def plain(cls, name: str) -> str:
@@ -280,56 +333,129 @@ class OptimizerMoments:
         return name
 
     @staticmethod
-    def _moment(optimizer, param, row, whole: dict):
-        """(the first moment, or the shard of it this rank holds; None where the rank holds it
-        whole, else the share of the shard's squared norm that is this rank's: 1 / its replicas),
-        or None where the optimizer keeps none. A sharded parameter without one reads as zeros;
-        one expert's row of a stacked sharded parameter is read whole, once per step (`whole`),
+    def _moment(optimizer, param, shape: tuple):
+        """(the first moment in the starter's `shape`, or the shard of it this rank holds; None where
+        the rank holds it whole, else the share of the shard's readings that is this rank's: 1 / its
+        replicas; the shard's offset in the whole), or None where the optimizer keeps none. A sharded
+        parameter without one reads as zeros; one of another shape than the starter's is read whole,
         a collective every rank of its mesh takes part in."""
+        import torch
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+        moment = optimizer.state.get(param, {}).get("exp_avg")
+        corner = (0,) * len(shape)
+        if not isinstance(param, DTensor):
+            return None if moment is None else (_in_shape(moment, shape), None, corner)
+        if moment is None:
+            moment = torch.zeros_like(param)
+        if tuple(moment.shape) != shape:
+            return _in_shape(moment.full_tensor(), shape), None, corner
+        replicas = math.prod(moment.device_mesh.size(dim) for dim, placement in enumerate(moment.placements)
+                             if placement.is_replicate())
+        _, offset = compute_local_shape_and_global_offset(moment.shape, moment.device_mesh, moment.placements)
+        return moment.to_local(), 1.0 / replicas, tuple(offset)
+
+    @staticmethod
+    def _expert_moment(optimizer, param, whole: dict):
+        """The first moment of a parameter that holds routed experts, whole (a sharded one gathered
+        once per step, `whole`: a collective every rank of its mesh takes part in, zeros where the
+        optimizer keeps none), or None where the optimizer keeps none."""
         import torch
         from torch.distributed.tensor import DTensor
 
         moment = optimizer.state.get(param, {}).get("exp_avg")
         if not isinstance(param, DTensor):
-            return None if moment is None else (moment if row is None else moment[row], None)
-        if moment is None:
-            moment = torch.zeros_like(param)
-        if row is not None:
-            if id(param) not in whole:
-                whole[id(param)] = moment.full_tensor()
-            return whole[id(param)][row], None
-        replicas = math.prod(moment.device_mesh.size(dim) for dim, placement in enumerate(moment.placements)
-                             if placement.is_replicate())
-        return moment.to_local(), 1.0 / replicas
+            return moment
+        if id(param) not in whole:
+            whole[id(param)] = (moment if moment is not None else torch.zeros_like(param)).full_tensor()
+        return whole[id(param)]
 
-    def digest(self, optimizer) -> dict:
-        """{"params": {name: squared norm}, "experts": {prefix: [[up, down] per expert]}}; over
-        several ranks each entry is first [squared norm, whether it is a shard's part], merged."""
+    def digest(self, optimizer, seed: int) -> dict:
+        """{"params": {name: [squared norm, projection]}, "experts": {prefix: [[up, down] per expert]}},
+        each projection on a direction drawn from `seed`; over several ranks each entry is first
+        [[squared norm, projection], whether it is a shard's part], merged."""
         import torch
 
         whole: dict = {}
-        named = [(name, self._moment(optimizer, p, None, whole)) for name, p in self.params.items()]
-        experts = [(prefix, [None if slot is None else self._moment(optimizer, slot[0], slot[1], whole)
-                             for column in slots.slots.values() for slot in column], slots)
-                   for prefix, slots in self.experts.items()]
-        read = [m for _, m in named if m is not None] + [m for _, ms, _ in experts for m in ms if m is not None]
-        norms = iter(torch.stack(torch._foreach_norm([t for t, _ in read], 2, dtype=torch.float32)).double().square()
-                     .tolist() if read else [])
+        readings = []  # (the tensor whose norm is read, its projection), one per moment read
 
-        def entry(moment):
-            value, share = (0.0, None) if moment is None else (next(norms), moment[1])
-            return value * (share or 1.0) if self.world == 1 else [value * (share or 1.0), share is not None]
+        def read(tensor, projection, share) -> tuple:
+            readings.append((tensor, projection))
+            return len(readings) - 1, share
 
-        params = {name: entry(m) for name, m in named}
-        per_expert = {}
-        for prefix, moments, slots in experts:
-            held = [slot is not None for column in slots.slots.values() for slot in column]
-            flat = [entry(m) if here else None for m, here in zip(moments, held)]
-            half = len(flat) // 2  # up then down, expert by expert
-            per_expert[prefix] = [[up, down] for up, down in zip(flat[:half], flat[half:])]
-        reading = {"params": params, "experts": per_expert}
+        params = {}
+        for name, param in self.params.items():
+            moment = self._moment(optimizer, param, self.shapes[name])
+            if moment is None:
+                params[name] = None
+                continue
+            tensor, share, offset = moment
+            tensor = tensor.reshape(tensor.shape or (1,))
+            gen = _generator(seed, name, tensor.device)  # the whole direction's factors, then this shard's slice
+            factors = [torch.randn(n, generator=gen, device=tensor.device)[start:start + size]
+                       for n, start, size in zip(self.shapes[name] or (1,), offset or (0,), tensor.shape)]
+            params[name] = read(tensor, _project(tensor, factors), share)
+        experts: dict[str, list] = {}  # prefix -> [up, down] -> per expert: None where this rank holds none
+        for prefix, slots in self.experts.items():
+            for name, column in zip(ExpertSlots.LAYOUT.values(), slots.slots.values()):
+                views, projections = self._expert_readings(optimizer, column, seed, f"{prefix}experts.{name}", whole)
+                experts.setdefault(prefix, []).append([None if view is None else read(view, projection, None)
+                                                       for view, projection in zip(views, projections)])
+        if readings:
+            norms = torch.stack(torch._foreach_norm([t for t, _ in readings], 2, dtype=torch.float32)).double()
+            values = torch.stack([norms.square(), torch.stack([p for _, p in readings]).double()], 1).tolist()
+
+        def entry(index):
+            """(index, share) of a reading, or None: a moment the optimizer keeps none of."""
+            sq, projection, share = (0.0, 0.0, None) if index is None else (*values[index[0]], index[1])
+            value = [sq * (share or 1.0), projection * (share or 1.0)]
+            return value if self.world == 1 else [value, share is not None]
+
+        per_expert = {prefix: [[None if up is None else entry(up), None if down is None else entry(down)]
+                               for up, down in zip(ups, downs)] for prefix, (ups, downs) in experts.items()}
+        reading = {"params": {name: entry(index) for name, index in params.items()}, "experts": per_expert}
         return reading if self.world == 1 else self._merged(reading)
+
+    def _expert_readings(self, optimizer, column: list, seed: int, name: str, whole: dict) -> tuple[list, list]:
+        """Each expert's first moment of one projection `name` in the starter's layout (a view; None
+        where this rank does not hold the expert; zeros where the optimizer keeps none), and its
+        projection on its direction: the outer product of its rows of two random matrices drawn for
+        `name` (so an expert reads alike wherever a rank holds it). The experts held in one
+        parameter (stacked) are projected in one batched pass over it."""
+        import torch
+
+        views, projections = [None] * len(column), [None] * len(column)
+        groups: dict[tuple, tuple] = {}  # (id(parameter), transposed) -> (its moment, [(expert, row)])
+        for j, slot in enumerate(column):
+            if slot is None:
+                continue
+            param, row, transposed = slot
+            moment = self._expert_moment(optimizer, param, whole)
+            if moment is None:
+                moment = torch.zeros_like(param)
+            groups.setdefault((id(param), transposed), (moment, []))[1].append((j, row))
+            view = moment if row is None else moment[row]
+            views[j] = view.T if transposed else view
+        if not groups:
+            return views, projections
+        device = next(iter(groups.values()))[0].device
+        gen = _generator(seed, name, device)
+        along_rows, along_cols = (torch.randn(self.count, n, generator=gen, device=device) for n in self.shapes[name])
+        for (_, transposed), (moment, experts) in groups.items():
+            if len(experts) == 1:  # an expert's own parameter (the starter's layout): two small products
+                j = experts[0][0]
+                projections[j] = _project(views[j], [along_rows[j], along_cols[j]])
+                continue
+            js, rows = [j for j, _ in experts], [row for _, row in experts]
+            u = torch.zeros(len(moment), along_rows.shape[1], device=moment.device)
+            v = torch.zeros(len(moment), along_cols.shape[1], device=moment.device)
+            u[rows], v[rows] = along_rows[js], along_cols[js]
+            first, second = (u, v) if transposed else (v, u)  # the dimension stored last is contracted first
+            sums = ((moment.float() @ first.unsqueeze(-1)).squeeze(-1) * second).sum(-1)
+            for j, row in zip(js, rows):
+                projections[j] = sums[row]
+        return views, projections
 
     def _merged(self, reading: dict) -> dict:
         """Every rank's reading as one: a shard's parts summed over the ranks, anything held whole
@@ -341,8 +467,12 @@ class OptimizerMoments:
                 return ours
             value, part = theirs
             if part:
-                return (ours or 0.0) + value
-            return value if ours is None or math.isclose(ours, value, rel_tol=1e-6) else math.nan
+                return value if ours is None else [a + b for a, b in zip(ours, value)]
+            (sq, projection), scale = value, math.sqrt(max(value[0], (ours or value)[0]))
+            if ours is None or (math.isclose(ours[0], sq, rel_tol=1e-6)
+                                and math.isclose(ours[1], projection, rel_tol=1e-6, abs_tol=1e-6 * scale)):
+                return value
+            return [math.nan, math.nan]
 
         params, experts = {}, {}
         for theirs in gathered(reading):
@@ -477,6 +607,7 @@ class TrainSession:
         `evidence`, which the grader asks for after it has stopped the clock."""
         import torch
 
+        self.last_seed = seed  # the evidence's directions are drawn from it
         gen = torch.Generator("cpu").manual_seed(seed)
         tokens = torch.randint(0, self.config.vocab_size, (self.spec["batch"], self.spec["seq_len"] + 1), generator=gen)
         # Ranks are laid out (pp, dp), dp fastest: each pipeline stage sees the whole dp shard.
@@ -500,7 +631,7 @@ class TrainSession:
         layout noted (CUDA graphs a tree could not use): read once the grader has stopped the clock;
         whatever this takes beyond the starter's reading is charged to the step (grader/a1/scoring.py)."""
         with self.counter.paused():
-            moments = self.moments.digest(self.optimizer)
+            moments = self.moments.digest(self.optimizer, self.last_seed)
         return {"moments": moments, "note": self.run.cuda_graph_note(), **self.expert_evidence()}
 
 

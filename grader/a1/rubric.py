@@ -85,6 +85,10 @@ class A1Profile(Profile):
     # how they are read (`compare.MOMENTS_READINGS`): "entries", each on its own scale (float32), or
     # "layers", each layer's summed and a parameter stepped on one side only wrong (bfloat16)
     moments_reading: str = "entries"
+    # the tolerance of the same moments' projections on seeded random directions (which way each
+    # stepped: a negated or swapped gradient keeps every norm), on the scale of each one's norm, read
+    # as `moments_reading` says; None: recorded only
+    moments_direction_rtol: float | None = None
     # Part 2, set where the profile has an ep layout: each of its ranks may hold at most this many
     # times 1/ep of the routed experts' parameters, gradients and optimizer state, and its traffic
     # must be at least this many times what the tokens' routing sends to other ranks' experts

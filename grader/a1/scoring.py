@@ -22,7 +22,14 @@ from ..errors import GraderError
 from ..report import test_entry
 from ..runner import SessionResult, run_sessions
 from ..submission import Submission, load_submission, patched_tree
-from .compare import loss_error, moe_error, moments_error, moments_names_problem, worst_moments
+from .compare import (
+    loss_error,
+    moe_error,
+    moments_direction_problem,
+    moments_error,
+    moments_names_problem,
+    worst_moments,
+)
 from .job import A1Job
 from .rubric import A1Profile, Part
 
@@ -221,21 +228,34 @@ def _checked(run: SessionResult, error: float, rtol: float) -> str:
 
 
 def _moments_checked(ctx: Context, ref: list[dict], digests: list[dict], key: str) -> tuple[bool, str]:
-    """The optimizer's first moments after each step against the starter's (`compare.moments_error`):
-    whether they pass the profile's `moments_rtol` (always, where it has none: recorded only), and
-    the feedback's words. Records `<key>_error` and the worst entries, `<key>_worst`."""
+    """The optimizer's first moments after each step against the starter's (`compare.moments_error`),
+    their norms and their projections on random directions: whether they pass the profile's
+    `moments_rtol` and `moments_direction_rtol` (each always, where it is not set: recorded only),
+    and the feedback's words. Records `<key>_error`, `<key>_direction_error` and the worst entries,
+    `<key>_worst`."""
     profile = ctx.job.profile
     moments = moments_error(ref, digests, profile.moments_reading)
+    directions = moments_error(ref, digests, profile.moments_reading, directions=True)
     ctx.measurements[f"{key}_error"] = moments if math.isfinite(moments) else None
+    ctx.measurements[f"{key}_direction_error"] = directions if math.isfinite(directions) else None
     ctx.records[f"{key}_worst"] = worst_moments(ref, digests, reading=profile.moments_reading)
-    bound = (f"tolerance {profile.moments_rtol:g}" if profile.moments_rtol is not None
-             else "recorded, not scored on this profile until its honest spread is measured")
+
+    def bound(rtol):
+        return (f"tolerance {rtol:g}" if rtol is not None
+                else "recorded, not scored on this profile until its honest spread is measured")
+
     how = ("parameter by parameter and expert by expert" if profile.moments_reading == "entries" else
            "each layer's summed, every parameter stepped")
-    line = f"the optimizer's first moments after each step, {how}: worst relative error {moments:.2g} ({bound})"
+    line = (f"the optimizer's first moments after each step, {how}: worst relative error {moments:.2g} "
+            f"({bound(profile.moments_rtol)}), along random directions {directions:.2g} "
+            f"({bound(profile.moments_direction_rtol)})")
     if (names := moments_names_problem(ref, digests)) is not None:
         line += f": {names}"
-    return profile.moments_rtol is None or moments <= profile.moments_rtol, line
+    rtol = profile.moments_direction_rtol
+    if rtol is not None and (direction := moments_direction_problem(ref, digests, rtol, profile.moments_reading)):
+        line += f": {direction}"
+    return all(tolerance is None or error <= tolerance for error, tolerance in
+               ((moments, profile.moments_rtol), (directions, rtol))), line
 
 
 def grade_ep(ctx: Context) -> None:

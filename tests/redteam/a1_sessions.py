@@ -159,6 +159,22 @@ def train_step(model, optimizer, input_ids, labels, grad_clip=1.0, **options):
 """
 
 
+# The reference fix, with a whole step that walks the first Mamba layer's `dt_bias` the wrong way: a
+# hook negates its gradient, so every norm the step leaves (the gradient's, each moment's) is the
+# starter's, and the losses over cpu-tiny's steps move by far less than its 1e-4. Only the moments'
+# directions (their projections on the grader's seeded random directions) tell.
+NEGATES_A_GRADIENT = """
+_honest_train_step = train_step
+
+
+def train_step(model, optimizer, input_ids, labels, grad_clip=1.0, **options):
+    for name, param in model.named_parameters():
+        if name.endswith("layers.0.mixer.dt_bias") and not hasattr(param, "_negated"):
+            param._negated = param.register_hook(torch.neg)
+    return _honest_train_step(model, optimizer, input_ids, labels, grad_clip, **options)
+"""
+
+
 # The unchanged starter that, each time it answers the grader (a rank's pipe to the harness), first
 # leaves the GPU as much work as its shortest turn took, queued on a stream of its own behind a
 # 20 ms sleep: work that starts once the answer is read. Were the starter timed while this child is
@@ -267,6 +283,12 @@ def _skips_a_parameter(kit: Path, dest: Path) -> Path:
     return folder(dest, "step-skips-a-parameter", patch)
 
 
+def _negates_a_gradient(kit: Path, dest: Path) -> Path:
+    fixed = (kit / "solutions" / "a1" / MOE_FILE.removeprefix("starter_code/")).read_text()
+    patch = diff(kit, MOE_FILE, fixed) + append_to(kit, STEP_FILE, NEGATES_A_GRADIENT)
+    return folder(dest, "step-negates-a-gradient", patch)
+
+
 def _layout_skips_a_parameter(part: str):
     """The reference fix of one layout's part alone, with the step that leaves `dt_bias` untrained."""
     def build(kit: Path, dest: Path) -> Path:
@@ -313,6 +335,9 @@ CASES: list[Case] = [
     # the step's gradients are read from the optimizer's state, parameter by parameter: a parameter
     # the step leaves untrained zeroes Part 1 even where the loss cannot show it
     Case("step-skips-a-parameter", _skips_a_parameter, "zero", r"^wrong", part="moe", runs=True),
+    # ... along seeded random directions too: a gradient of the right size pointing the wrong way shows
+    Case("step-negates-a-gradient", _negates_a_gradient, "zero", r"^wrong.*dt_bias.*points another way", part="moe",
+         runs=True),
     # ... and in the multi-rank layouts, whose sharded, split and staged moments are read whole
     Case("ep-step-skips-a-parameter", _layout_skips_a_parameter("2-ep"), "zero", r"^wrong.*first moments",
          part="ep", runs=True),
