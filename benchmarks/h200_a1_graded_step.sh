@@ -5,6 +5,7 @@
 # last, the same command on the unpatched starter.
 # The reference's graded tokens/s is then read beside its bench figure (benchmarks/README.md).
 #   bash benchmarks/h200_a1_graded_step.sh OUT [PROFILE]
+# SUBMISSIONS="reference-full" grades that one alone; BENCH_STARTER=0 leaves out the starter's bench.
 set -uo pipefail
 OUT=${1:?usage: h200_a1_graded_step.sh OUT [PROFILE]}
 PROFILE=${2:-h200x1}
@@ -18,9 +19,15 @@ S=$(python3 benchmarks/run_a1_gpu.py --prepare | head -1)  # the reference solut
 (cd "$S" && eval PYTHONPATH=starter_code timeout 400 python3 -m onenode.cli bench $ARGS --steps 10 --warmup 3 --quiet \
     --out "$OUT/bench-solution.json") 2>&1 | tail -12
 COHORT=$(mktemp -d)
-mkdir -p "$COHORT/reference-full" "$COHORT/starter-unchanged"
-cp solutions/a1/submission.patch "$COHORT/reference-full/"
-: > "$COHORT/starter-unchanged/submission.patch"
+for name in ${SUBMISSIONS:-reference-full starter-unchanged}; do
+    mkdir -p "$COHORT/$name"
+    case $name in
+        reference-full) cp solutions/a1/submission.patch "$COHORT/$name/" ;;
+        starter-unchanged) : > "$COHORT/$name/submission.patch" ;;
+    esac
+done
 PYTHONPATH=starter_code:. python3 -m grader.cli a1 --cohort "$COHORT" --profile "$PROFILE" --out "$OUT/grade" --no-notebook --quiet 2>&1 | tail -20
-eval PYTHONPATH=starter_code timeout 400 python3 -m onenode.cli bench $ARGS --steps 5 --warmup 2 --quiet \
-    --out "$OUT/bench-starter.json" 2>&1 | tail -12
+if [ "${BENCH_STARTER:-1}" = 1 ]; then
+    eval PYTHONPATH=starter_code timeout 400 python3 -m onenode.cli bench $ARGS --steps 5 --warmup 2 --quiet \
+        --out "$OUT/bench-starter.json" 2>&1 | tail -12
+fi
