@@ -359,9 +359,9 @@ def _chain(steps: list[int], device: str = "cpu") -> list:
 
 
 def test_a_chain_of_uneven_intervals_is_not_replayed(job):
-    """A long span among short ones (where forged steps hide from spans drawn within a budget) and
-    a short one among long ones (where a swapped checkpoint hides from steps drawn) are refused in
-    one line naming the span; one interval with a shorter last span is replayed."""
+    """A long span among short ones (drawn within a budget less often than its steps say: where
+    forged steps hide) and a short one among long ones are refused in one line naming the span;
+    one interval with a shorter last span is replayed."""
     from types import SimpleNamespace
 
     from grader.a2.replay import replay_plan

@@ -54,15 +54,17 @@ def uneven_interval(chain: list[Link]) -> str | None:
     """Why the chain's checkpoints are not one interval apart (every span as long as the first,
     the last one at most that), in one line, or None.
 
-    Why one interval, rather than drawing spans (or steps) by their length: what a forgery needs
-    from its span depends on the forgery, and uneven spans give each kind a place to hide. Forged
-    steps (other data, moments that steer the span) hide in one long span among short ones: spans
-    drawn by their steps within the replay budget reach a long one only while little of the budget
-    is spent. A checkpoint swapped for another hides in one short span among long ones: drawing
-    steps reaches it only as often as its few steps. With one interval every span is drawn alike,
-    so `detection_probability` is what any forgery of m middle spans faces. The trainer
-    checkpoints every `checkpoint.every_steps` and at the end, so an honest run has one interval
-    and a shorter last span, which is always replayed."""
+    Why one interval, rather than drawing steps and replaying the span of each: draws within a
+    replay budget are uniform only when each costs the same. With uneven spans a draw costs the
+    span it hits, so a plan that draws until the budget is spent reaches a long span (where forged
+    steps hide among short ones) only while little of the budget is spent, far less often than its
+    steps say (the flaw of drawing spans by their steps until the budget ran out); and a plan that
+    fixes its number of draws beforehand must price each at the longest span, leaving most of the
+    budget unspent. One interval makes every span cost the same and be drawn alike, so
+    `detection_probability` is exactly what a forgery of m middle spans faces, as the feedback
+    says. The trainer checkpoints every `checkpoint.every_steps` and at the end, so an honest run
+    has one interval and a shorter last span (always replayed): the rule refuses an honest run only
+    if it was stopped off its interval."""
     lengths = [link.step - before.step for before, link in zip(chain, chain[1:])]
     for i, length in enumerate(lengths):
         if length != lengths[0] and not (i == len(lengths) - 1 and 0 < length < lengths[0]):

@@ -21,7 +21,8 @@ replay.json: {"init_sha256": the recipe's seeded initialisation,
                                             (null for the last),
                                "stored_next_loss": the loss of that step as the next checkpoint's
                                                    trainer state records it,
-                               "optimizer_sha256": the optimizer state it stores,
+                               "optimizer_sha256": the optimizer state it stores (null but
+                                                   where a replayed span ends),
                                "optimizer": null, or what no training of the recipe gives in
                                             that state (`optimizer_state_problem`)}],
               "spans": [{"start", "end", "steps", "seconds", "bitwise", "relative_error",
@@ -215,9 +216,9 @@ def optimizer_state(trainer) -> dict:
 
 
 def state_tensors(state: dict) -> dict:
-    """The optimizer state's tensors by "<parameter>:<key>", copied (what its hash and the replay's
-    comparison read)."""
-    return {f"{name}:{key}": value.clone() for name, entry in state.get("state", {}).items()
+    """The optimizer state's tensors by "<parameter>:<key>" (what its hash and the replay's
+    comparison read; on a CPU the optimizer's own, which the next load overwrites)."""
+    return {f"{name}:{key}": value for name, entry in state.get("state", {}).items()
             for key, value in entry.items() if hasattr(value, "clone")}
 
 
@@ -344,7 +345,8 @@ def verify(plan: dict, report: dict) -> None:
     fresh = copy.deepcopy(optimizer_state(trainer))  # what the step-0 checkpoint must store
     lrs = [recipe.optimizer.lr * lr_factor(recipe.schedule, t, trainer.total_steps) for t in range(steps[-1])]
     positions, report["checkpoints"], previous, done = {}, [], None, 0
-    for path, step in zip(checkpoints, steps):
+    span_ends = {j for _, j in plan["spans"]}  # whose optimizer state a replay compares with its own
+    for index, (path, step) in enumerate(zip(checkpoints, steps)):
         for _ in range((step - done) * trainer.accumulation):  # the grader's batches, read to here
             next(trainer.loader)
         done = step
@@ -360,7 +362,8 @@ def verify(plan: dict, report: dict) -> None:
         entry = {"name": path.name, "weights_sha256": weights_sha256(state) if trainer.rank == 0 else None,
                  "loader": "; ".join(f"rank {r}: {d}" for r, d in enumerate(differences) if d) or None,
                  "movement": None, "movement_at": None, "next_loss": None, "stored_next_loss": None,
-                 "optimizer_sha256": weights_sha256(state_tensors(optimizer)) if trainer.rank == 0 else None,
+                 "optimizer_sha256": weights_sha256(state_tensors(optimizer))
+                 if trainer.rank == 0 and index in span_ends else None,
                  "optimizer": optimizer_state_problem(optimizer, fresh, step, recipe.train.grad_clip)
                  if trainer.rank == 0 else None}
         if previous is not None and trainer.rank == 0:
@@ -407,7 +410,7 @@ def replay_span(trainer, start: Path, end: Path, end_sha256: str, end_optimizer_
 
     def now() -> tuple[dict, dict]:  # (the weights, the optimizer state's tensors), copied
         return ({k: v.clone() for k, v in full_model_state_dict(model).items()},
-                state_tensors(optimizer_state(trainer)))
+                {k: v.clone() for k, v in state_tensors(optimizer_state(trainer)).items()})
 
     replayed, moments = now()
     entry["bitwise"] = gathered(trainer.rank == 0 and weights_sha256(replayed) == end_sha256)[0]
