@@ -126,14 +126,22 @@ def test_a_profile_that_needs_deterministic_runs_replays_only_those(job, submiss
 
 
 def test_replay_tolerance_passes_float_noise_and_fails_other_training():
+    """The weights and the optimizer state a span replays to are both held to the tolerance."""
     tolerance = 1e-3
-    span = {"start": "step_00000010", "end": "step_00000012", "steps": 2, "seconds": 0.1}
+    span = {"start": "step_00000010", "end": "step_00000012", "steps": 2, "seconds": 0.1,
+            "optimizer_bitwise": True, "optimizer_relative_error": 0.0}
     ok, detail = _replayed([{**span, "bitwise": False, "relative_error": 2e-5}], 20, tolerance)
     assert ok and "within the tolerance (relative error up to 2.0e-05" in detail, detail
     ok, detail = _replayed([{**span, "bitwise": True, "relative_error": 0.0}], 20, tolerance)
     assert ok and "bit for bit" in detail, detail
     ok, detail = _replayed([{**span, "bitwise": False, "relative_error": 0.3}], 20, tolerance)
     assert not ok and "step_00000010 -> step_00000012 replayed does not give step_00000012 back" in detail, detail
+    moments = {**span, "bitwise": True, "relative_error": 0.0, "optimizer_bitwise": False}
+    ok, detail = _replayed([{**moments, "optimizer_relative_error": 3e-5}], 20, tolerance)
+    assert ok and "within the tolerance (relative error up to 3.0e-05" in detail, detail
+    ok, detail = _replayed([{**moments, "optimizer_relative_error": 0.2}], 20, tolerance)
+    assert not ok and detail.startswith("step_00000010 -> step_00000012 replayed does not give the optimizer state "
+                                        "step_00000012 stores back (relative error 0.2"), detail
 
 
 # -- the audit -----------------------------------------------------------------------------------
@@ -343,21 +351,51 @@ def test_a_grader_without_the_named_tokenizer_says_how_to_get_it(tmp_path, monke
     assert error.startswith("the grader has no copy of the tokenizer") and "`onenode data fetch`" in error
 
 
-def test_spans_are_drawn_by_their_steps_within_the_replay_budget():
-    """The first and the last span always; then a long span among many short ones is drawn as
-    often as its steps say, never past the budget."""
+def _chain(steps: list[int], device: str = "cpu") -> list:
     from grader.a2.intake import Link
-    from grader.a2.replay import choose_spans
 
-    steps = [0, *range(1, 46), *range(55, 101)]  # 1-step spans, one of 10 steps (10% of the run) in the middle
-    chain = [Link(Path(f"step_{s:08d}"), {"step": s}) for s in steps]
-    first, last, long = (0, 1), (len(steps) - 2, len(steps) - 1), (45, 46)
-    draws = [choose_spans(chain, 10, f"seed-{i}") for i in range(400)]
-    assert all(first in spans and last in spans for spans in draws)
-    assert all(sum(steps[j] - steps[i] for i, j in spans if (i, j) not in (first, last)) <= 10 for spans in draws)
-    assert draws[0] == choose_spans(chain, 10, "seed-0") != draws[1]
-    long_drawn = sum(long in spans for spans in draws) / len(draws)
-    assert 0.05 < long_drawn < 0.2, long_drawn  # ~its 10% of the steps (uniform order would give ~1%)
+    layout = {"device": device, "world_size": 1, "threads": 1}
+    return [Link(Path(f"step_{s:08d}"), {"step": s, "layout": layout}) for s in steps]
+
+
+def test_a_chain_of_uneven_intervals_is_not_replayed(job):
+    """A long span among short ones (drawn within a budget less often than its steps say: where
+    forged steps hide) and a short one among long ones are refused in one line naming the span;
+    one interval with a shorter last span is replayed."""
+    from types import SimpleNamespace
+
+    from grader.a2.replay import replay_plan
+
+    profile = dataclasses.replace(job.profile, replay_fraction=0.1)
+    long_among_short = [*range(0, 46), *range(55, 101)]  # 1-step spans, one of 10 steps in the middle
+    spans, problem = replay_plan(SimpleNamespace(chain=_chain(long_among_short)), profile, "seed", 100)
+    assert spans == [] and "\n" not in problem, problem
+    assert problem.startswith("step_00000045 -> step_00000055 is 10 steps, where the chain's first span is 1: the "
+                              "grader replays only runs checkpointed at one interval"), problem
+    short_among_long = [*range(0, 50, 10), 41, *range(50, 101, 10)]
+    _, problem = replay_plan(SimpleNamespace(chain=_chain(sorted(short_among_long))), profile, "seed", 100)
+    assert problem.startswith("step_00000040 -> step_00000041 is 1 steps"), problem
+    spans, problem = replay_plan(SimpleNamespace(chain=_chain([*range(0, 110, 10), 107])), profile, "seed", 100)
+    assert problem is None and (0, 1) in spans and (10, 11) in spans, problem
+
+
+def test_each_middle_span_is_drawn_as_often_as_the_detection_figures_say():
+    """Spans of one interval, the first and the last always, the others drawn uniformly within the
+    budget: how often a forged set of middle spans is drawn is `detection_probability` of the
+    run's own spans and draws, which the feedback states."""
+    from grader.a2.replay import choose_spans, detection_line, detection_probability
+
+    chain = _chain(list(range(0, 101, 5)))  # 20 spans of 5 steps: 18 in the middle
+    draws = [choose_spans(chain, 15, f"seed-{i}") for i in range(3000)]  # 3 random spans a run
+    assert all({(0, 1), (19, 20)} <= set(spans) and len(spans) == 5 for spans in draws)
+    assert draws[0] == choose_spans(chain, 15, "seed-0") != draws[1]
+    counts = [sum((i, i + 1) in spans for spans in draws) for i in range(1, 19)]
+    assert all(abs(count - 500) < 80 for count in counts), counts  # each in 3 of 18: 500 of 3000, sd 20
+    for forged in ([(9, 10)], [(3, 4), (12, 13)], [(i, i + 1) for i in range(2, 7)]):
+        caught = sum(any(span in spans for span in forged) for spans in draws) / len(draws)
+        assert caught == pytest.approx(detection_probability(20, 3, len(forged)), abs=0.03), (forged, caught)
+    assert "of its 20 spans (every 5 steps) the first, the last and 3 drawn at random were replayed" in \
+        detection_line(chain, draws[0])
 
 
 def test_the_node_time_for_a_replay_bounds_its_plan(job):
@@ -390,9 +428,27 @@ def test_detection_probability_is_the_chance_a_forged_middle_span_is_drawn():
     assert detection_probability(12, 2, 1) == pytest.approx(0.2)
     assert detection_probability(12, 2, 2) == pytest.approx(1 - 28 / 45)  # 1 - C(8,2)/C(10,2)
     assert detection_probability(12, 1, 11) == 1.0 and detection_probability(12, 3, 0) == 0.0
-    assert detection_line(12, 1) == ("of its 12 spans the first, the last and 1 drawn at random were replayed: a "
-                                     "forgery inside the movement bound and the recorded losses is caught 10% if it "
-                                     "forged one span, 20% if it forged 10% of them, 30% if it forged 25% of them")
+    chain = _chain(list(range(0, 121, 10)))
+    assert detection_line(chain, [(0, 1), (5, 6), (11, 12)]) == (
+        "of its 12 spans (every 10 steps) the first, the last and 1 drawn at random were replayed: a forgery inside "
+        "the movement bound and the recorded losses is caught 10% if it forged one span, 20% if it forged 10% of "
+        "them, 30% if it forged 25% of them")
+
+
+def test_the_rubrics_detection_figures_are_the_course_baselines_plan():
+    """a2_pretrain/rubric.toml's h100x8 comment quotes the odds for the baseline's 19,073 steps
+    checkpointed every 100 (and every 50): they are what the grader's plan for those spans gives."""
+    from types import SimpleNamespace
+
+    from grader.a2.replay import detection_line, replay_plan
+
+    profile = load_a2_rubric().profile("h100x8")
+    for every, odds in ((100, "1% if it forged one span, 11% if it forged 10% of them, 25% if it forged 25%"),
+                        (50, "1% if it forged one span, 35% if it forged 10% of them, 69% if it forged 25%")):
+        chain = _chain([*range(0, 19073, every), 19073], device="cuda")
+        spans, problem = replay_plan(SimpleNamespace(chain=chain), profile, "seed", tokens_per_step=1_048_576)
+        assert problem is None, problem
+        assert odds in detection_line(chain, spans), detection_line(chain, spans)
 
 
 # -- scores above the noise ----------------------------------------------------------------------

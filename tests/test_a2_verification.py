@@ -115,3 +115,128 @@ def test_movement_is_measured_against_the_schedules_learning_rates():
     moved_buffer = {**near, "buffer": torch.tensor([1.0, 1.5])}
     worst, where = replay_harness.movement(start, moved_buffer, allowed)
     assert worst > 1e3 and where == "buffer"  # a buffer training leaves alone may move by its rounding only
+
+
+# -- the optimizer state a span starts from --------------------------------------------------------
+def _stepped_states(optimizer_name: str, gradient, steps: int, clip: float = 1.0) -> list[dict]:
+    """A small model's optimizer (the kit's AdamW, or Muon on its matrices and AdamW on the rest)
+    stepped `steps` times on `gradient(step, name, parameter)`, clipped to global norm `clip` as
+    `train_step` clips: the state a checkpoint stores before the first step (DCP makes it: counters
+    1, moments 0) and after each step."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from onenode.train.optim import optimizers_of
+    from onenode.train.step import build_optimizer, clip_grad_norm_
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 8))
+    optimizer = build_optimizer(model, optimizer_name, lr=1e-2)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    states = [copy.deepcopy(get_optimizer_state_dict(model, optimizers_of(optimizer), options=options))]
+    for step in range(steps):
+        for name, param in model.named_parameters():
+            param.grad = gradient(step, name, param)
+        clip_grad_norm_(list(model.parameters()), clip)
+        optimizer.step()
+        states.append(copy.deepcopy(get_optimizer_state_dict(model, optimizers_of(optimizer), options=options)))
+    return states
+
+
+def _steady(step, name, param):  # one direction every step, far above the clip: AdamW's bounds are reached
+    return torch.full_like(param, 1e3)
+
+
+def _steady_matrices(step, name, param):  # the same on the matrices alone (Muon's): its bound is reached
+    return torch.full_like(param, 1e3 * (param.ndim == 2))
+
+
+STEADY = {"adamw": _steady, "muon": _steady_matrices}
+
+
+def _wild(step, name, param):  # norms from far below the clip to far above, signs flipping, some zero
+    generator = torch.Generator().manual_seed(step * 100 + len(name))
+    sign = torch.where(torch.rand(param.shape, generator=generator) < 0.7, 1.0, -1.0)
+    return torch.rand(param.shape, generator=generator) * sign * 10.0 ** (step % 5 - 2) * (step % 7 != 3)
+
+
+def _norms(state: dict) -> dict[str, float]:
+    tensors = [entry for entry in state["state"].values()]
+    return {"||exp_avg||": sum(float(e["exp_avg"].double().square().sum()) for e in tensors if "exp_avg" in e) ** 0.5,
+            "sum(exp_avg_sq)": sum(float(e["exp_avg_sq"].double().sum()) for e in tensors if "exp_avg" in e),
+            "||momentum_buffer||": sum(float(e["momentum_buffer"].double().square().sum())
+                                       for e in tensors if "momentum_buffer" in e) ** 0.5}
+
+
+@pytest.mark.parametrize("optimizer_name", ["adamw", "muon"])
+def test_every_trained_optimizer_state_is_within_the_clipped_bounds_which_it_can_reach(optimizer_name):
+    """Any gradients, clipped to global norm c: every state is within the bounds; gradients of one
+    direction above the clip reach them (so they are tight: 1.001 over is refused, below)."""
+    steps, clip = 20, 1.0
+    for gradient in (_wild, STEADY[optimizer_name]):
+        states = _stepped_states(optimizer_name, gradient, steps, clip)
+        for t, state in enumerate(states):
+            assert replay_harness.optimizer_state_problem(state, states[0], t, clip) is None, (gradient.__name__, t)
+    found = _norms(states[-1])
+    for what, bound in {"||exp_avg||": 1 - 0.9 ** steps, "sum(exp_avg_sq)": 1 - 0.95 ** steps,
+                        "||momentum_buffer||": 1 - 0.95 ** steps}.items():
+        if found[what]:
+            assert 0.999 < found[what] / bound <= replay_harness.MOMENT_ROUNDING, (what, found[what], bound)
+    assert found["||momentum_buffer||"] > 0 if optimizer_name == "muon" else found["||momentum_buffer||"] == 0
+
+
+def _scaled(key: str, factor: float):
+    def forge(state):
+        for entry in state["state"].values():
+            if key in entry:
+                entry[key] = entry[key] * factor
+    return forge
+
+
+def _set_first(key: str, value: float):
+    def forge(state):
+        entry = next(e for e in state["state"].values() if key in e)
+        entry[key] = entry[key].clone()
+        entry[key].view(-1)[0] = value
+    return forge
+
+
+def _setting(key: str, value):
+    def forge(state):
+        state["param_groups"][0][key] = value
+    return forge
+
+
+@pytest.mark.parametrize("optimizer_name, forge, reason", [
+    ("adamw", _scaled("exp_avg", 1.002), r"^\|\|exp_avg\|\| .* over its parameters \(beta 0.9\); 20 steps of gradients "
+                                         r"clipped to global norm 1 give at most 0.8784"),
+    ("adamw", _scaled("exp_avg_sq", 1.002), r"^sum\(exp_avg_sq\) .* 20 steps of gradients clipped to global norm 1"),
+    ("adamw", _set_first("exp_avg_sq", 0.0), r"^0\.weight's exp_avg .* against exp_avg_sq 0: 20 steps of any "
+                                             r"gradients give \|exp_avg\| <= 1.14 x sqrt\(exp_avg_sq\)"),
+    ("adamw", _set_first("exp_avg", float("nan")), r"^0\.weight's optimizer state is not finite"),
+    ("adamw", _set_first("step", 20.0), r"^0\.weight's optimizer step counter is 20, not 21 \(the step-0 state's 1 "
+                                        r"plus its 20 steps\)"),
+    ("adamw", _setting("weight_decay", 0.0), r"^optimizer setting weight_decay 0.0 where the recipe's optimizer has"),
+    ("adamw", _setting("betas", (0.5, 0.95)), r"^optimizer setting betas \(0.5, 0.95\)"),
+    ("muon", _scaled("momentum_buffer", 1.002), r"^\|\|momentum_buffer\|\| .* \(beta 0.95\); 20 steps of gradients"),
+    ("muon", _setting("nesterov", False), r"^optimizer setting nesterov False"),
+])
+def test_an_optimizer_state_no_training_makes_is_refused_in_one_line(optimizer_name, forge, reason):
+    states = _stepped_states(optimizer_name, STEADY[optimizer_name], 20)
+    forged = states[-1]
+    forge(forged)
+    problem = replay_harness.optimizer_state_problem(forged, states[0], 20, 1.0)
+    assert problem and "\n" not in problem and re.search(reason, problem), problem
+
+
+def test_the_state_before_the_first_step_is_the_fresh_one():
+    """At step 0 no gradient has been seen: any moment is refused, and any other counter."""
+    states = _stepped_states("adamw", _steady, 1)
+    assert replay_harness.optimizer_state_problem(states[0], states[0], 0, 1.0) is None
+    problem = replay_harness.optimizer_state_problem(states[1], states[0], 0, 1.0)
+    assert problem.startswith("0.weight's optimizer step counter is 2, not 1"), problem
+    moved = states[0]
+    _set_first("exp_avg", 1e-6)(moved)
+    problem = replay_harness.optimizer_state_problem(moved, states[0], 0, 1.0)
+    assert re.search(r"exp_avg 1e-06 against exp_avg_sq 0: 0 steps of any gradients give", problem), problem

@@ -16,15 +16,19 @@ untrusted input) recomputes, from the files alone:
   checkpoint from the earlier), and each checkpoint's loss on the grader's batch of the next
   step, which must be the loss the run recorded for that step (the next checkpoint's trainer
   state, and the log where it has the step);
+- every checkpoint's optimizer state (cheap; a span starts from it): the recipe's settings, step
+  counters at its step, moments no larger than its steps of clipped gradients make them
+  (`replay_harness.optimizer_state_problem`);
 - the first span, the last span and random ones (the job's seed and the submission's name),
-  trained again from the earlier checkpoint, which must give the later one back: bit for bit on
-  the run's layout and hardware, or within the profile's `replay_tolerance` (replayed -
-  recorded, relative to how far the span moved the weights).
-The random spans add up to at most the profile's `replay_fraction` of the run's steps, so every
-span must be that short: a run checkpointed more sparsely is not verified. A forgery inside the
-movement bound and the recorded losses (weights nudged, or other batches recorded as the
-grader's) is caught when its span is replayed: `detection_probability` says how surely, and the
-feedback states it.
+  trained again from the earlier checkpoint, which must give the later one back, its weights and
+  its optimizer state: bit for bit on the run's layout and hardware, or within the profile's
+  `replay_tolerance` (replayed - recorded, relative to how far the span moved them).
+The checkpoints must be one interval apart (the last span may be shorter), and the random spans
+add up to at most the profile's `replay_fraction` of the run's steps, so that interval must be
+that short: a run checkpointed more sparsely, or at uneven intervals, is not verified. A forgery
+inside the movement bound and the recorded losses (weights nudged, other batches recorded as the
+grader's, moments that steer the next span) is caught when its span is replayed:
+`detection_probability` says how surely, and the feedback states it for the run's own spans.
 The seconds it took are recorded.
 """
 
@@ -46,18 +50,40 @@ from .rubric import A2Profile
 HARNESS = Path(__file__).with_name("replay_harness.py")
 
 
+def uneven_interval(chain: list[Link]) -> str | None:
+    """Why the chain's checkpoints are not one interval apart (every span as long as the first,
+    the last one at most that), in one line, or None.
+
+    Why one interval, rather than drawing steps and replaying the span of each: draws within a
+    replay budget are uniform only when each costs the same. With uneven spans a draw costs the
+    span it hits, so a plan that draws until the budget is spent reaches a long span (where forged
+    steps hide among short ones) only while little of the budget is spent, far less often than its
+    steps say (the flaw of drawing spans by their steps until the budget ran out); and a plan that
+    fixes its number of draws beforehand must price each at the longest span, leaving most of the
+    budget unspent. One interval makes every span cost the same and be drawn alike, so
+    `detection_probability` is exactly what a forgery of m middle spans faces, as the feedback
+    says. The trainer checkpoints every `checkpoint.every_steps` and at the end, so an honest run
+    has one interval and a shorter last span (always replayed): the rule refuses an honest run only
+    if it was stopped off its interval."""
+    lengths = [link.step - before.step for before, link in zip(chain, chain[1:])]
+    for i, length in enumerate(lengths):
+        if length != lengths[0] and not (i == len(lengths) - 1 and 0 < length < lengths[0]):
+            return (f"{chain[i].path.name} -> {chain[i + 1].path.name} is {length} steps, where the chain's first "
+                    f"span is {lengths[0]}: the grader replays only runs checkpointed at one interval (so that each "
+                    "span is as likely to be replayed), every checkpoint.every_steps, the last span at most that; "
+                    "stop and resume a run only at a multiple of it")
+    return None
+
+
 def choose_spans(chain: list[Link], random_steps: int, seed: str) -> list[tuple[int, int]]:
-    """The first and the last span (indices of consecutive checkpoints), then spans drawn at
-    random, each as likely as the steps it holds (a long span hidden among many short ones is
-    drawn as often as its steps say), while the random ones add up to at most `random_steps`."""
+    """The first and the last span (indices of consecutive checkpoints), then as many of the
+    others as `random_steps` holds, drawn uniformly without replacement. The spans are one
+    interval long (`uneven_interval`), so every middle span is as likely to be drawn."""
     rng = random.Random(seed)
-    steps = {(i, i + 1): chain[i + 1].step - chain[i].step for i in range(len(chain) - 1)}
-    chosen, used = sorted({(0, 1), (len(chain) - 2, len(chain) - 1)}), 0
-    while fitting := [span for span in steps if span not in chosen and used + steps[span] <= random_steps]:
-        span = rng.choices(fitting, weights=[steps[s] for s in fitting])[0]
-        chosen.append(span)
-        used += steps[span]
-    return sorted(chosen)
+    ends = {(0, 1), (len(chain) - 2, len(chain) - 1)}
+    middle = [(i, i + 1) for i in range(1, len(chain) - 2)]
+    interval = chain[1].step - chain[0].step
+    return sorted([*ends, *rng.sample(middle, min(len(middle), random_steps // interval))])
 
 
 def detection_probability(spans: int, drawn: int, forged: int) -> float:
@@ -73,13 +99,17 @@ def detection_probability(spans: int, drawn: int, forged: int) -> float:
     return 1.0 - math.comb(middle - forged, drawn) / math.comb(middle, drawn)
 
 
-def detection_line(spans: int, drawn: int) -> str:
-    """The feedback's sentence on how surely a forgery that passes the per-span checks is caught."""
+def detection_line(chain: list[Link], replayed: list[tuple[int, int]]) -> str:
+    """The feedback's sentence on how surely a forgery that passes the per-span checks is caught,
+    for this run's own plan: its spans (one interval apart) and the spans `replayed` of them."""
+    spans = len(chain) - 1
+    drawn = len(set(replayed) - {(0, 1), (spans - 1, spans)})
     shares = [(f"{share:.0%} of them", max(1, math.ceil(share * spans))) for share in (0.1, 0.25)]
     odds = ", ".join(f"{detection_probability(spans, drawn, forged):.0%} if it forged {what}"
                      for what, forged in [("one span", 1), *shares])
-    return (f"of its {spans} spans the first, the last and {drawn} drawn at random were replayed: a forgery inside "
-            f"the movement bound and the recorded losses is caught {odds}")
+    return (f"of its {spans} spans (every {chain[1].step - chain[0].step} steps) the first, the last and {drawn} "
+            f"drawn at random were replayed: a forgery inside the movement bound and the recorded losses is "
+            f"caught {odds}")
 
 
 def replay_plan(sub: A2Submission, profile: A2Profile, seed: str,
@@ -97,6 +127,9 @@ def replay_plan(sub: A2Submission, profile: A2Profile, seed: str,
         return [], f"the run trained on {layout['device']}; this profile replays on {profile.device}"
     if chain[-1].step == 0:
         return [], "the chain holds no training step"
+    uneven = uneven_interval(chain)
+    if uneven:
+        return [], uneven
     allowed = int(profile.replay_fraction * chain[-1].step)
     if profile.replay_minutes is not None:
         in_time = int(profile.replay_minutes * 60 * profile.replay_tokens_per_s / tokens_per_step)
@@ -194,19 +227,19 @@ def replay_checks(sub: A2Submission, profile: A2Profile, stack: Path, seed: str,
                         "order" if moved else "every checkpoint's stored data position is the one the submitted data "
                         "gives (the grader reads its own batches either way)"))
     checks.append(Check("movement", *_movement(recomputed)))
+    checks.append(Check("optimizer state", *_optimizer_states(recomputed, recipe.train.grad_clip)))
     checks.append(Check("logged losses", *_logged_losses(recomputed, chain, sub.metrics, profile.loss_tolerance)))
     steps = sum(span["steps"] for span in report["spans"])
     seconds = sum(span["seconds"] for span in report["spans"])
     ok, detail = _replayed(report["spans"], chain[-1].step, profile.replay_tolerance)
-    always = 1 if len(chain) == 2 else 2  # the first and the last span
-    checks.append(Check("replay", ok, f"{detail}; {detection_line(len(chain) - 1, len(spans) - always)}"
-                        if ok else detail))
+    checks.append(Check("replay", ok, f"{detail}; {detection_line(chain, spans)}" if ok else detail))
     manifest_seconds = sub.manifest.get("wall_time_s")
     cost = {"replay_steps": steps, "replay_fraction": steps / chain[-1].step, "replay_seconds": seconds,
             "verify_seconds": wall or time.monotonic() - start,
             "run_seconds": manifest_seconds if isinstance(manifest_seconds, (int, float)) else None,
             # what the tolerances are measured from (benchmarks/a2_baseline.py --replay)
-            "spans": [{key: span.get(key) for key in ("start", "end", "steps", "bitwise", "relative_error")}
+            "spans": [{key: span.get(key) for key in ("start", "end", "steps", "bitwise", "relative_error",
+                                                      "optimizer_bitwise", "optimizer_relative_error")}
                       for span in report["spans"]],
             "loss_relative_errors": _loss_errors(recomputed[:-1])}
     return checks, cost
@@ -224,6 +257,17 @@ def _movement(recomputed: list[dict]) -> tuple[bool, str]:
     most = max((found["movement"] for found in spans), default=0.0)
     return len(spans) == len(recomputed) - 1, (f"every one of the {len(spans)} spans moved the weights within what "
                                                 f"its learning rates allow (at most {most:.2f} of the bound)")
+
+
+def _optimizer_states(recomputed: list[dict], grad_clip: float) -> tuple[bool, str]:
+    """Whether every checkpoint stores an optimizer state that training of the recipe makes (the
+    state the span after it starts from)."""
+    bad = next((found for found in recomputed if found["optimizer"]), None)
+    if bad is not None:
+        return False, f"{bad['name']} stores an optimizer state no training of the recipe makes: {bad['optimizer']}"
+    clip = f"gradients clipped to norm {grad_clip:g}" if grad_clip > 0 else "gradients (the recipe clips none)"
+    return True, (f"every one of the {len(recomputed)} checkpoints stores the recipe's optimizer settings, step "
+                  f"counters at its step and moments within what its steps of {clip} make")
 
 
 def _loss_errors(recomputed: list[dict]) -> list[float | None]:
@@ -268,8 +312,13 @@ def _replayed(spans: list[dict], run_steps: int, tolerance: float) -> tuple[bool
             return False, (f"{span['start']} -> {span['end']} replayed does not give {span['end']} back (relative "
                            f"error {span['relative_error']:.3g}, tolerance {tolerance:g}): those weights were not "
                            "trained by that span")
+        if not span["optimizer_bitwise"] and not span["optimizer_relative_error"] <= tolerance:
+            return False, (f"{span['start']} -> {span['end']} replayed does not give the optimizer state "
+                           f"{span['end']} stores back (relative error {span['optimizer_relative_error']:.3g}, "
+                           f"tolerance {tolerance:g}): that state was not made by training that span")
     steps, seconds = sum(s["steps"] for s in spans), sum(s["seconds"] for s in spans)
-    near = [s["relative_error"] for s in spans if not s["bitwise"]]
+    near = [s["relative_error"] for s in spans if not s["bitwise"]] + \
+        [s["optimizer_relative_error"] for s in spans if not s["optimizer_bitwise"]]
     how = f"within the tolerance (relative error up to {max(near):.1e}, tolerance {tolerance:g})" if near \
         else "bit for bit"
     return True, (f"{len(spans)} span(s) of {steps} steps ({steps / run_steps:.0%} of the run's {run_steps}) "

@@ -20,8 +20,13 @@ replay.json: {"init_sha256": the recipe's seeded initialisation,
                                "next_loss": its loss on the grader's batch of the next step
                                             (null for the last),
                                "stored_next_loss": the loss of that step as the next checkpoint's
-                                                   trainer state records it}],
+                                                   trainer state records it,
+                               "optimizer_sha256": the optimizer state it stores (null but
+                                                   where a replayed span ends),
+                               "optimizer": null, or what no training of the recipe gives in
+                                            that state (`optimizer_state_problem`)}],
               "spans": [{"start", "end", "steps", "seconds", "bitwise", "relative_error",
+                         "optimizer_bitwise", "optimizer_relative_error",
                          "error": only when the span could not be replayed}],
               "error": one line, only when the harness could not finish}
 
@@ -37,10 +42,18 @@ above 1, no training at those rates made that checkpoint from the one before.
 Hashes are `onenode.train.checkpoint.weights_sha256` of the whole model. A span that does not
 come back bit for bit reports ||replayed - recorded|| / ||recorded - start||: how far the
 replay lands from the recorded checkpoint, relative to how far the span moved the weights.
+
+A span starts from the optimizer state its first checkpoint stores (AdamW's moments and step
+counters, Muon's momentum, every group's settings), so that state is input to judge too: every
+checkpoint's must be what some training of the recipe makes (`optimizer_state_problem`), and a
+replayed span must give the state its last checkpoint stores back (hashed the same way, or per
+kind of tensor as the weights are), else a stored state could steer the span after it while
+every replay of it is bit for bit.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -77,6 +90,21 @@ def relative_error(replayed: dict, recorded: dict, start: dict) -> float:
     off = sum(float((replayed[k].double() - recorded[k].double()).norm()) ** 2 for k in recorded)
     moved = sum(float((recorded[k].double() - start[k].double()).norm()) ** 2 for k in recorded)
     return (off / moved) ** 0.5 if moved > 0 else (0.0 if off == 0 else float("inf"))
+
+
+def optimizer_error(replayed: dict, recorded: dict, start: dict) -> float:
+    """`relative_error` of the optimizer state's tensors, each kind ("exp_avg", "exp_avg_sq",
+    "momentum_buffer") on its own scale, the largest; a step counter that differs: infinite."""
+    import torch
+
+    errors = []
+    for kind in sorted({name.rsplit(":", 1)[1] for name in recorded}):
+        names = [name for name in recorded if name.rsplit(":", 1)[1] == kind]
+        if kind == "step":
+            errors.append(0.0 if all(torch.equal(replayed[n], recorded[n]) for n in names) else math.inf)
+        else:
+            errors.append(relative_error(*({n: d[n] for n in names} for d in (replayed, recorded, start))))
+    return max(errors, default=0.0)
 
 
 def adamw_step_bound(beta1: float, beta2: float, steps: int) -> float:
@@ -170,6 +198,109 @@ def movement(start: dict, end: dict, allowed) -> tuple[float, str | None]:
     return worst, where
 
 
+MOMENT_ROUNDING = 1.001  # slack on the optimizer state's bounds: float32 rounding of the moments and the clip
+# |exp_avg| allowed where exp_avg_sq rounded to zero: the square of a gradient under ~1e-22 underflows float32
+MOMENT_FLOOR = 1e-20
+
+
+def optimizer_state(trainer) -> dict:
+    """The optimizer state as a checkpoint stores it, unsharded, on CPU (collective; complete on
+    rank 0): {"state": {parameter: {"step", "exp_avg", "exp_avg_sq"} or {"momentum_buffer"}},
+    "param_groups": [every group's settings and parameter names]}."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from onenode.train.optim import optimizers_of
+
+    return get_optimizer_state_dict(trainer.parallel.model, optimizers_of(trainer.optimizer),
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def state_tensors(state: dict) -> dict:
+    """The optimizer state's tensors by "<parameter>:<key>" (what its hash and the replay's
+    comparison read; on a CPU the optimizer's own, which the next load overwrites)."""
+    return {f"{name}:{key}": value for name, entry in state.get("state", {}).items()
+            for key, value in entry.items() if hasattr(value, "clone")}
+
+
+def adam_moment_ratio(beta1: float, beta2: float, steps: int) -> float:
+    """The most |exp_avg| / sqrt(exp_avg_sq) can be, elementwise, after `steps` steps of any
+    gradients g_j: by Cauchy-Schwarz, |(1 - b1) sum b1^(t-j) g_j| <= (1 - b1) / sqrt(1 - b2) x
+    sqrt(sum_j (b1^2 / b2)^(t-j)) x sqrt((1 - b2) sum b2^(t-j) g_j^2)."""
+    ratio = beta1 ** 2 / beta2
+    total = steps if ratio == 1 else (1 - ratio ** steps) / (1 - ratio)
+    return (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(total)
+
+
+def optimizer_state_problem(stored: dict, fresh: dict, steps: int, grad_clip: float) -> str | None:
+    """What no training of the recipe puts in the optimizer state a checkpoint of step `steps`
+    stores, in one line, or None. `fresh` is the recipe's optimizer before its first step, as the
+    step-0 checkpoint stores it (DCP gives each parameter its state with one step of zero
+    gradients at lr 0: counters 1, moments 0). What must hold:
+    - every group's settings are the recipe's (a replay runs on the settings it loads), the lr
+      aside (the schedule sets it each step);
+    - every step counter is the fresh one plus `steps`;
+    - each moment is finite, exp_avg_sq >= 0, and |exp_avg| <= `adam_moment_ratio` x
+      sqrt(exp_avg_sq) elementwise, whatever the clip (so every step stays within the movement
+      bound's `adamw_step_bound`);
+    - with every step's gradient clipped to global L2 norm c (`train.grad_clip`), over the
+      parameters of one beta: ||exp_avg||_2 = ||(1 - b1) sum_j b1^(t-j) g_j|| <= c (1 - b1^t),
+      sum(exp_avg_sq) = (1 - b2) sum_j b2^(t-j) ||g_j||^2 <= c^2 (1 - b2^t), and Muon's
+      ||momentum_buffer||_2 <= c (1 - momentum^t), for t = `steps` (a run without a clip, c = 0,
+      has no bound on these norms).
+    Each within `MOMENT_ROUNDING`."""
+    ours, theirs = fresh["param_groups"], stored.get("param_groups", [])
+    if len(theirs) != len(ours):
+        return f"{len(theirs)} optimizer parameter groups where the recipe's optimizer has {len(ours)}"
+    settings = {}
+    for group, claimed in zip(ours, theirs):
+        if claimed.get("params") != group["params"]:
+            return "its optimizer groups hold other parameters than the recipe's optimizer does"
+        for key, value in group.items():
+            if key not in ("params", "lr") and claimed.get(key) != value:
+                return f"optimizer setting {key} {claimed.get(key)!r} where the recipe's optimizer has {value!r}"
+        settings.update(dict.fromkeys(group["params"], group))
+    momentum_sq, squares, averages = {}, {}, {}  # beta -> summed over its parameters
+    for name, start in fresh["state"].items():
+        state, group = stored["state"].get(name, {}), settings[name]
+        if set(state) != set(start):
+            return f"{name}'s optimizer state holds {sorted(state)} where the recipe's optimizer holds {sorted(start)}"
+        counter, first = (float(state["step"]), float(start["step"])) if "step" in start else (None, None)
+        if counter is not None and counter != first + steps:
+            return (f"{name}'s optimizer step counter is {counter:g}, not {first + steps:g} (the step-0 state's "
+                    f"{first:g} plus its {steps} steps)")
+        tensors = {key: value.double() for key, value in state.items() if key != "step"}
+        if not all(bool(value.isfinite().all()) for value in tensors.values()):
+            return f"{name}'s optimizer state is not finite"
+        if "momentum_buffer" in tensors:
+            beta = group["momentum"]
+            momentum_sq[beta] = momentum_sq.get(beta, 0.0) + float(tensors["momentum_buffer"].square().sum())
+        if "exp_avg" in tensors:
+            (beta1, beta2), m, v = group["betas"], tensors["exp_avg"], tensors["exp_avg_sq"]
+            if bool((v < 0).any()):
+                return f"{name}'s exp_avg_sq is negative"
+            ratio = adam_moment_ratio(beta1, beta2, steps)
+            over = m.abs() - (MOMENT_ROUNDING * ratio * v.sqrt() + MOMENT_FLOOR)
+            if bool((over > 0).any()):
+                i = int(over.argmax())
+                return (f"{name}'s exp_avg {float(m.flatten()[i]):.3g} against exp_avg_sq {float(v.flatten()[i]):.3g}: "
+                        f"{steps} steps of any gradients give |exp_avg| <= {ratio:.3g} x sqrt(exp_avg_sq)")
+            averages[beta1] = averages.get(beta1, 0.0) + float(m.square().sum())
+            squares[beta2] = squares.get(beta2, 0.0) + float(v.sum())
+    if not grad_clip or grad_clip <= 0:
+        return None
+    norms = [("||exp_avg||", beta, math.sqrt(total), grad_clip * (1 - beta ** steps))
+             for beta, total in averages.items()]
+    norms += [("sum(exp_avg_sq)", beta, total, grad_clip ** 2 * (1 - beta ** steps))
+              for beta, total in squares.items()]
+    norms += [("||momentum_buffer||", beta, math.sqrt(total), grad_clip * (1 - beta ** steps))
+              for beta, total in momentum_sq.items()]
+    for what, beta, found, bound in norms:
+        if found > MOMENT_ROUNDING * bound:
+            return (f"{what} {found:.4g} over its parameters (beta {beta:g}); {steps} steps of gradients clipped to "
+                    f"global norm {grad_clip:g} give at most {bound:.4g}")
+    return None
+
+
 def next_step_loss(trainer, micro_batches: list) -> float | None:
     """The model's training loss on one step's micro-batches (as `train_step` logs it: the mean
     over micro-batches and data-parallel ranks), without a gradient; the routers' counts of it
@@ -189,7 +320,7 @@ def verify(plan: dict, report: dict) -> None:
     import torch
 
     import onenode
-    from onenode.train.checkpoint import full_model_state_dict, load_weights, weights_sha256
+    from onenode.train.checkpoint import full_model_state_dict, load_checkpoint, weights_sha256
     from onenode.train.recipe import load_recipe
     from onenode.train.schedule import lr_factor
     from onenode.train.trainer import Trainer
@@ -211,16 +342,18 @@ def verify(plan: dict, report: dict) -> None:
     trainer = Trainer(recipe, Path("replay-init"), resume=None)
     report["init_sha256"] = trainer.weights_sha256()
     model, allowances = trainer.parallel.model, step_allowances(trainer)
+    fresh = copy.deepcopy(optimizer_state(trainer))  # what the step-0 checkpoint must store
     lrs = [recipe.optimizer.lr * lr_factor(recipe.schedule, t, trainer.total_steps) for t in range(steps[-1])]
     positions, report["checkpoints"], previous, done = {}, [], None, 0
-    for path, step in zip(checkpoints, steps):
+    span_ends = {j for _, j in plan["spans"]}  # whose optimizer state a replay compares with its own
+    for index, (path, step) in enumerate(zip(checkpoints, steps)):
         for _ in range((step - done) * trainer.accumulation):  # the grader's batches, read to here
             next(trainer.loader)
         done = step
         positions[step] = trainer.loader.state_dict()
-        load_weights(path, model)
+        _, stored = load_checkpoint(path, trainer.parallel, trainer.optimizer)  # the weights and optimizer state
         state = {k: v.clone() for k, v in full_model_state_dict(model).items()}
-        stored = torch.load(path / f"trainer_state_rank{trainer.rank}.pt", weights_only=True)
+        optimizer = optimizer_state(trainer)
         differences = gathered(loader_difference(stored["loader"], positions[step]))
         if report["checkpoints"]:  # the loss this checkpoint's state records for the step after the one before
             losses = stored.get("losses")
@@ -228,7 +361,11 @@ def verify(plan: dict, report: dict) -> None:
             report["checkpoints"][-1]["stored_next_loss"] = claimed if isinstance(claimed, float) else None
         entry = {"name": path.name, "weights_sha256": weights_sha256(state) if trainer.rank == 0 else None,
                  "loader": "; ".join(f"rank {r}: {d}" for r, d in enumerate(differences) if d) or None,
-                 "movement": None, "movement_at": None, "next_loss": None, "stored_next_loss": None}
+                 "movement": None, "movement_at": None, "next_loss": None, "stored_next_loss": None,
+                 "optimizer_sha256": weights_sha256(state_tensors(optimizer))
+                 if trainer.rank == 0 and index in span_ends else None,
+                 "optimizer": optimizer_state_problem(optimizer, fresh, step, recipe.train.grad_clip)
+                 if trainer.rank == 0 else None}
         if previous is not None and trainer.rank == 0:
             span_lrs = lrs[previous[0]:step]
             entry["movement"], entry["movement_at"] = movement(
@@ -240,42 +377,53 @@ def verify(plan: dict, report: dict) -> None:
         previous = (step, state)
     final = onenode.load_pretrained(plan["final"])
     report["final_sha256"] = weights_sha256(full_model_state_dict(final))
-    del trainer, final, previous  # the spans build their own
+    del trainer, final, previous, optimizer  # the spans build their own
 
     recomputed = [c["weights_sha256"] for c in report["checkpoints"]]
+    moments = [c["optimizer_sha256"] for c in report["checkpoints"]]
     report["spans"] = []
     for i, j in plan["spans"]:
         entry = {"start": checkpoints[i].name, "end": checkpoints[j].name, "steps": steps[j] - steps[i],
-                 "seconds": 0.0, "bitwise": False, "relative_error": None}
+                 "seconds": 0.0, "bitwise": False, "relative_error": None, "optimizer_bitwise": False,
+                 "optimizer_relative_error": None}
         try:
             torch.set_num_threads(threads_of(metas[i]))
             span = Trainer(recipe, Path(f"replay-{i}"), resume=str(checkpoints[i]))
             span.loader.load_state_dict(positions[steps[i]])  # the grader's batches, not the stored position
             span.step, span.tokens_seen = steps[i], steps[i] * recipe.tokens_per_step
-            replay_span(span, checkpoints[i], checkpoints[j], recomputed[j], entry)
+            replay_span(span, checkpoints[i], checkpoints[j], recomputed[j], moments[j], entry)
         except Exception as e:  # this span cannot be replayed (its checkpoint holds another optimizer, say)
             entry["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
         report["spans"].append(entry)
 
 
-def replay_span(trainer, start: Path, end: Path, end_sha256: str, entry: dict) -> None:
-    """Train `trainer` (resumed from `start`) `entry["steps"]` steps and compare with `end`."""
-    from onenode.train.checkpoint import full_model_state_dict, load_weights, weights_sha256
+def replay_span(trainer, start: Path, end: Path, end_sha256: str, end_optimizer_sha256: str, entry: dict) -> None:
+    """Train `trainer` (resumed from `start`) `entry["steps"]` steps and compare its weights and
+    its optimizer state with `end`'s."""
+    from onenode.train.checkpoint import full_model_state_dict, load_checkpoint, weights_sha256
 
     began = time.perf_counter()
     for _ in range(entry["steps"]):
         trainer.train_step()
     entry["seconds"] = time.perf_counter() - began
     model = trainer.parallel.model
-    replayed = {k: v.clone() for k, v in full_model_state_dict(model).items()}
+
+    def now() -> tuple[dict, dict]:  # (the weights, the optimizer state's tensors), copied
+        return ({k: v.clone() for k, v in full_model_state_dict(model).items()},
+                {k: v.clone() for k, v in state_tensors(optimizer_state(trainer)).items()})
+
+    replayed, moments = now()
     entry["bitwise"] = gathered(trainer.rank == 0 and weights_sha256(replayed) == end_sha256)[0]
-    entry["relative_error"] = 0.0
-    if not entry["bitwise"]:
-        load_weights(end, model)
-        recorded = {k: v.clone() for k, v in full_model_state_dict(model).items()}
-        load_weights(start, model)
+    entry["optimizer_bitwise"] = gathered(trainer.rank == 0 and weights_sha256(moments) == end_optimizer_sha256)[0]
+    entry["relative_error"] = entry["optimizer_relative_error"] = 0.0
+    if not (entry["bitwise"] and entry["optimizer_bitwise"]):
+        load_checkpoint(end, trainer.parallel, trainer.optimizer)
+        recorded, recorded_moments = now()
+        load_checkpoint(start, trainer.parallel, trainer.optimizer)
+        began_at, start_moments = now()
         if trainer.rank == 0:
-            entry["relative_error"] = relative_error(replayed, recorded, full_model_state_dict(model))
+            entry["relative_error"] = relative_error(replayed, recorded, began_at)
+            entry["optimizer_relative_error"] = optimizer_error(moments, recorded_moments, start_moments)
 
 
 def main(plan_file: str) -> int:

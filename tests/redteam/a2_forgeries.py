@@ -11,13 +11,22 @@ grader does not replay. Each is built from real runs of the tiny recipe on the g
   on the right data;
 - more tokens: a run of four times the budget, every file edited to claim the budget;
 - a larger batch: a run of four times the batch, every file (loader states too) edited to claim
-  the recipe's.
+  the recipe's;
+- steered moments: before each checkpoint, the optimizer's moments set to push the next span
+  towards the four-times-longer run's weights, each span then trained honestly from the state
+  stored (every replay bit for bit, every recorded loss true);
+- a long span among short ones: a run checkpointed twice as often, one span of the usual
+  interval left in its middle, whose second half trained on other batches.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -55,6 +64,11 @@ class Scale:
     def small(self) -> dict:
         return {**self.settings, "train.seq_len": self.seq_len, "train.global_batch_size": self.batch,
                 "train.token_budget": self.budget, "checkpoint.every_steps": self.every, "checkpoint.keep_last": 0}
+
+    @property
+    def fine(self) -> dict:
+        """The honest run checkpointed twice as often."""
+        return {**self.small, "checkpoint.every_steps": self.every // 2}
 
     @property
     def long(self) -> dict:
@@ -98,6 +112,10 @@ class Runs:
     @cached_property
     def honest(self) -> Path:
         return self._trained(self.scale.small)
+
+    @cached_property
+    def fine(self) -> Path:
+        return self._trained(self.scale.fine)
 
     @cached_property
     def long(self) -> Path:
@@ -293,6 +311,99 @@ def larger_batch(runs: Runs, dest: Path) -> Path:
     return sub
 
 
+STEERING_PACE = 0.9  # each steered step moves a weight this many learning rates: inside the movement bound
+
+
+def train_steered(recipe_path: str, out: str, overrides: dict, target: str) -> None:
+    """`onenode train` of the recipe (run on the grader's A2 stack, `steered_moments`), whose
+    trainer sets AdamW's moments before each checkpoint it writes: exp_avg_sq 1 (far above what
+    the span's own gradients add), exp_avg the sign of (`target`'s weights - the weights) scaled
+    so that the next step moves each weight `STEERING_PACE` learning rates towards `target`."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from onenode.model import build_model
+    from onenode.train.checkpoint import load_weights
+    from onenode.train.optim import optimizers_of
+    from onenode.train.recipe import load_recipe
+    from onenode.train.trainer import Trainer
+
+    recipe = load_recipe(recipe_path, overrides)
+    trainer = Trainer(recipe, out, resume=None)
+    goal = build_model(trainer.config, device="cpu")
+    load_weights(target, goal)
+    goals = dict(goal.named_parameters())
+    names = {id(param): name.replace("_orig_mod.", "") for name, param in trainer.parallel.model.named_parameters()}
+    save = trainer.save
+
+    @torch.no_grad()
+    def steer_then_save() -> Path:
+        get_state_dict(trainer.parallel.model, optimizers_of(trainer.optimizer))  # the state step 0 stores
+        for optimizer in optimizers_of(trainer.optimizer):
+            for group in optimizer.param_groups:
+                beta1, beta2 = group["betas"]
+                for param in group["params"]:
+                    state = optimizer.state[param]
+                    t = float(state["step"]) + 1  # the next step's bias corrections
+                    scale = STEERING_PACE * math.sqrt(beta2) / beta1 * (1 - beta1 ** t) / math.sqrt(1 - beta2 ** t)
+                    state["exp_avg_sq"].fill_(1.0)
+                    state["exp_avg"].copy_(torch.sign(goals[names[id(param)]] - param) * scale)
+        return save()
+
+    trainer.save = steer_then_save
+    trainer.fit()
+
+
+def steered_moments(runs: Runs, dest: Path) -> Path:
+    """The honest recipe trained by `train_steered`, towards the four-times-longer run's weights."""
+    from grader.a2.job import a2_stack
+
+    scale, work = runs.scale, dest / "work"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(a2_stack() / "starter_code"), str(KIT / "tests")]),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    code = "import json, sys; from redteam.a2_forgeries import train_steered; train_steered(*json.loads(sys.argv[1]))"
+    arguments = [str(scale.recipe), str(work), scale.small, str(checkpoint(runs.long, 4 * scale.steps))]
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(arguments)], cwd=KIT, env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the steered run failed: {done.stderr.strip()[-800:]}")
+    return assemble(work, dest / "sub")
+
+
+def long_span_among_short(runs: Runs, dest: Path) -> Path:
+    """The run checkpointed every `every // 2` steps, its two spans after the middle checkpoint
+    made one (the checkpoint between them gone, the next one linked to the middle one): the first
+    half trained honestly (so the recorded loss after the middle checkpoint is true), the second on
+    other batches (the loader put where the run ends), the end's meta.json and loader state
+    rewritten to the honest run's, the run continued on the right data. Every check but a replay of
+    that span passes: spans drawn by their steps within the budget reach it less often than its
+    steps say."""
+    import torch
+
+    scale = runs.scale
+    half, start = scale.every // 2, middle(scale)
+    work = copy_run(runs.fine, dest / "work")
+    cut_after(work, start)
+    train_on(runs, work, scale.fine, f"--stop-after={start + half}")
+    state_file = checkpoint(work, start + half) / "trainer_state_rank0.pt"
+    state = torch.load(state_file, weights_only=True)
+    state["loader"] = torch.load(checkpoint(runs.fine, scale.steps) / state_file.name, weights_only=True)["loader"]
+    torch.save(state, state_file)
+    train_on(runs, work, scale.fine, f"--stop-after={start + scale.every}")
+    shutil.rmtree(checkpoint(work, start + half))
+    end, honest = checkpoint(work, start + scale.every), checkpoint(runs.fine, start + scale.every)
+    forged = json.loads((end / "meta.json").read_text())
+    link = {"step": start, "weights_sha256": json.loads((checkpoint(work, start) / "meta.json").read_text())[
+        "weights_sha256"]}
+    (end / "meta.json").write_text(json.dumps({**json.loads((honest / "meta.json").read_text()),
+                                               "weights_sha256": forged["weights_sha256"], "previous": link}, indent=2))
+    state = torch.load(end / state_file.name, weights_only=True)
+    state["loader"] = torch.load(honest / state_file.name, weights_only=True)["loader"]
+    torch.save(state, end / state_file.name)
+    train_on(runs, work, scale.fine)
+    return assemble(work, dest / "sub")
+
+
 def middle(scale: Scale) -> int:
     """The checkpoint step nearest the run's middle."""
     return scale.steps // 2 // scale.every * scale.every
@@ -300,6 +411,8 @@ def middle(scale: Scale) -> int:
 
 NOT_TRAINED = r"moved .* times as far as any training at the schedule's learning rates can"
 NOT_REPLAYED = r"were not trained by that span"
+NO_TRAINING_MAKES = r"stores an optimizer state no training of the recipe makes"
+STATE_NOT_REPLAYED = r"that state was not made by training that span"
 
 
 def forgeries(scale: Scale) -> list[Forgery]:
@@ -320,6 +433,13 @@ def forgeries(scale: Scale) -> list[Forgery]:
                                              "data order": r"is not the one the submitted data gives"}),
         Forgery("larger-batch", larger_batch,
                 {"replay": NOT_REPLAYED, "logged losses": r"at step \d+; step_\d{8} has loss"}),
+        Forgery("steered-moments", steered_moments,
+                {"optimizer state": rf"^step_00000000 {NO_TRAINING_MAKES}: .* 0 steps of any gradients give",
+                 "replay": STATE_NOT_REPLAYED}),
+        Forgery("long-span-among-short", long_span_among_short,
+                {"replay": rf"^step_{half:08d} -> step_{half + scale.every:08d} is {scale.every} steps, where the "
+                           rf"chain's first span is {scale.every // 2}: the grader replays only runs checkpointed at "
+                           "one interval"}),
     ]
 
 
