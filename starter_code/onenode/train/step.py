@@ -188,6 +188,8 @@ def train_step(
         grad_norm = clip_grad_norm_(parallel.parameters(), grad_clip, pp_mesh=parallel.pp_mesh,
                                     ep_mesh=parallel.ep_mesh)
         optimizer.step()
+        if weights is not None:  # whatever optimizer it is: its kernels may count no version
+            weights.masters_changed()
     # The step's one wait for the device, with all of its work queued: the numbers it reports.
     value = None if loss is None else float(loss)
     if value is not None and not math.isfinite(value):
