@@ -394,55 +394,60 @@ def parallelize(model, dims, **options):
     return _dummy_parallelize(model, dims, **options)
 """
 
-# The dummy-bytes pipeline whose gradients and AdamW moments leave memory before each answer
-# (written to a file in its scratch folder, their storage freed) and come back when the next step
-# starts, or when the optimizer's state is read: memory read once a rank has answered would see a
+# The dummy-bytes pipeline whose gradients and AdamW moments leave memory just before each answer
+# goes down the rank's pipe to the harness (written to a file in its scratch folder, their storage
+# freed) and come back as the next message arrives: memory read once a rank has answered sees a
 # stage's share; read as a peak over the step, the whole model's state is there.
 PARKS_ITS_STATE = """
-import collections as _collections
+import multiprocessing.connection as _connection
 
-_unparked_train_step = train_step
-
-
-class _StateThatReturns(_collections.defaultdict):
-    parked = []
-
-    def _return(self):
-        import torch as _torch
-
-        while self.parked:
-            tensor, path, nbytes = self.parked.pop()
-            tensor.untyped_storage().resize_(nbytes)
-            tensor.copy_(_torch.load(path))
-
-    def get(self, key, default=None):
-        self._return()
-        return super().get(key, default)
-
-    def __getitem__(self, key):
-        self._return()
-        return super().__getitem__(key)
+_unparked_train_step, _optimizers, _parked = train_step, [], []
+_send, _recv = _connection.Connection.send, _connection.Connection.recv
 
 
 def train_step(model, optimizer, input_ids, labels, grad_clip=1.0, **options):
+    _optimizers[:] = [(model, optimizer)]
+    return _unparked_train_step(model, optimizer, input_ids, labels, grad_clip, **options)
+
+
+def _park():
     import torch as _torch
 
-    if not isinstance(optimizer.state, _StateThatReturns):
-        optimizer.state = _StateThatReturns(dict, optimizer.state)
-    optimizer.state._return()
-    out = _unparked_train_step(model, optimizer, input_ids, labels, grad_clip, **options)
-    for param in model.parameters():
-        param.grad = None
-    for i, state in enumerate(dict.values(optimizer.state)):
-        for key in ("exp_avg", "exp_avg_sq"):
-            tensor = state.get(key)
-            if tensor is not None and tensor.numel() > 65536:
-                path = f"parked-{i}-{key}.pt"
-                _torch.save(tensor.clone(), path)
-                nbytes = tensor.untyped_storage().nbytes()
-                tensor.untyped_storage().resize_(0)
-                _StateThatReturns.parked.append((tensor, path, nbytes))
-    return out
+    for model, optimizer in _optimizers:
+        for param in model.parameters():
+            param.grad = None
+        for i, state in enumerate(optimizer.state.values()):
+            for key in ("exp_avg", "exp_avg_sq"):
+                tensor = state.get(key)
+                if tensor is not None and tensor.numel() > 65536:
+                    path = f"parked-{i}-{key}.pt"
+                    _torch.save(tensor.clone(), path)
+                    _parked.append((tensor, path, tensor.untyped_storage().nbytes()))
+                    tensor.untyped_storage().resize_(0)
+
+
+def _unpark():
+    import torch as _torch
+
+    while _parked:
+        tensor, path, nbytes = _parked.pop()
+        tensor.untyped_storage().resize_(nbytes)
+        tensor.copy_(_torch.load(path))
+
+
+def _parking_send(self, obj):
+    if isinstance(obj, dict) and ("digest" in obj or "evidence" in obj):
+        _park()
+    return _send(self, obj)
+
+
+def _unparking_recv(self):
+    message = _recv(self)
+    _unpark()
+    return message
+
+
+_connection.Connection.send, _connection.Connection.recv = _parking_send, _unparking_recv
 """
 
 # Burns both cores whenever its own rank waits for a seed (the starter's turn, when the two take
