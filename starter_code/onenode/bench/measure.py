@@ -12,7 +12,7 @@ import torch
 from ..flops import mfu, model_flops
 from ..parallel.distributed import init_distributed
 from ..profiling import kernel_mix, launches, profiled, self_times, time_split, top_kernels, write_trace
-from ..train.assembly import assemble
+from ..train.assembly import assemble, data_parallel_size
 from ..train.logging import environment, git_commit
 from ..train.recipe import Recipe, RecipeError, from_dict, load_recipe, parse_override
 from .device import matmul_ceiling, max_over_ranks, peak_memory_bytes, sync, synthetic_batches
@@ -26,7 +26,6 @@ SHORTHANDS = {"preset": "model.preset", "mamba_kernel": "model.mamba_kernel", "s
               "cuda_graphs": "train.cuda_graphs", "device": "train.device", "lr": "optimizer.lr",
               "dp": "parallel.dp", "ep": "parallel.ep", "pp": "parallel.pp", "pp_schedule": "parallel.pp_schedule",
               "microbatches": "parallel.microbatches"}
-PRECISIONS = {"bf16": "bf16", "fp32": "fp32"}
 
 
 def bench_recipe(args, world: int, steps: int) -> Recipe:
@@ -50,8 +49,7 @@ def bench_recipe(args, world: int, steps: int) -> Recipe:
                                       "precision": "bf16" if on_gpu else "fp32"}})
     recipe = recipe.with_overrides({**overrides, "train.token_budget": 1 << 40})
     if not args.recipe and "train.global_batch_size" not in overrides:
-        p = recipe.parallel
-        dp = max(1, world // p.pp if p.dp == -1 else p.dp)
+        dp = max(1, data_parallel_size(recipe, world))
         recipe = recipe.with_overrides({"train.global_batch_size": recipe.train.micro_batch_size * dp})
     return recipe.with_overrides({"train.token_budget": recipe.tokens_per_step * steps})
 

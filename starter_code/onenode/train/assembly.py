@@ -59,12 +59,18 @@ class Layout:
         return ParallelDims(dp=self.dp, ep=self.ep, pp=self.pp)
 
 
+def data_parallel_size(recipe: Recipe, world: int) -> int:
+    """`parallel.dp`, or with -1 whatever the world size leaves after the pipeline stages."""
+    p = recipe.parallel
+    return world // p.pp if p.dp == -1 else p.dp
+
+
 def resolve_layout(recipe: Recipe, world: int) -> Layout:
     """Data-parallel size and gradient accumulation from the recipe and the world size."""
     p, t = recipe.parallel, recipe.train
     if world % (p.ep * p.pp) and p.dp == -1:
         raise RecipeError(f"recipe: parallel.ep x parallel.pp = {p.ep * p.pp} does not divide the world size {world}")
-    dp = world // p.pp if p.dp == -1 else p.dp
+    dp = data_parallel_size(recipe, world)
     if dp * p.pp != world:
         raise RecipeError(f"recipe: parallel.dp {dp} x pp {p.pp} != world size {world}: fix parallel.dp or use -1 "
                           "(or launch with torchrun --nproc-per-node DP*PP)")
