@@ -5,7 +5,8 @@
 # last, the same command on the unpatched starter.
 # The reference's graded tokens/s is then read beside its bench figure (benchmarks/README.md).
 #   bash benchmarks/h200_a1_graded_step.sh OUT [PROFILE]
-# SUBMISSIONS="reference-full" grades that one alone; BENCH_STARTER=0 leaves out the starter's bench.
+# SUBMISSIONS="reference-full" grades that one alone (a name that is a folder, e.g. a red-team case
+# built by tests/redteam, is graded as it is); BENCH_STARTER=0 leaves out the starter's bench.
 set -uo pipefail
 OUT=${1:?usage: h200_a1_graded_step.sh OUT [PROFILE]}
 PROFILE=${2:-h200x1}
@@ -20,6 +21,7 @@ S=$(python3 benchmarks/run_a1_gpu.py --prepare | head -1)  # the reference solut
     --out "$OUT/bench-solution.json") 2>&1 | tail -12
 COHORT=$(mktemp -d)
 for name in ${SUBMISSIONS:-reference-full starter-unchanged}; do
+    if [ -d "$name" ]; then cp -r "$name" "$COHORT/"; continue; fi
     mkdir -p "$COHORT/$name"
     case $name in
         reference-full) cp solutions/a1/submission.patch "$COHORT/$name/" ;;

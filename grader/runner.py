@@ -67,10 +67,11 @@ class SessionResult:
     # here), and the most memory any one of its processes had resident at any moment of it.
     traffic: list[int | None] = field(default_factory=list)
     resident: list[int] = field(default_factory=list)
-    # Per workload of a training session, after its clock stopped: the seconds and the traffic of
-    # reading its evidence (the optimizer's moments), which the scoring compares with the starter's
-    evidence_seconds: list[float] = field(default_factory=list)
-    evidence_traffic: list[int | None] = field(default_factory=list)
+    # A training session's evidence (the optimizer's moments, the experts each rank holds), read
+    # once after its last workload, on a clock of its own: its seconds and traffic, recorded only
+    # (no scored step follows the reading, so nothing left for it can shorten one)
+    evidence_s: float | None = None
+    evidence_traffic: int | None = None
     gpu_memory: int | None = None  # the most GPU memory one of its processes held, after the session
     setup_s: float = 0.0  # from the session spec to "ready"
     error: str | None = None
@@ -172,8 +173,8 @@ class Child:
         return self.proc.network_bytes()
 
     def step(self, result: SessionResult, seed: int, deadline: float, evidence: bool = False) -> None:
-        """One timed workload; with `evidence`, then its evidence on a clock of its own (merged into
-        the workload's digest). Host memory is the peak over the workload, sampled while it runs
+        """One timed workload; with `evidence` (the session's last), then its evidence on a clock of
+        its own (merged into the workload's digest). Host memory is the peak over the workload, sampled while it runs
         (CPU profiles, where it is scored; on a GPU, where a sampling thread beside a host-bound
         step would be timed with it, it is read once the workload ends, and only recorded)."""
         traffic = self.traffic()
@@ -192,8 +193,8 @@ class Child:
                 return
             read = self.traffic()
             digest = {**answer["evidence"], **digest}
-            result.evidence_seconds.append(evidence_s)
-            result.evidence_traffic.append(None if read is None or after is None else read - after)
+            result.evidence_s = evidence_s
+            result.evidence_traffic = None if read is None or after is None else read - after
         result.digests.append(digest)
         result.seconds.append(seconds)
         result.traffic.append(None if traffic is None or after is None else after - traffic)
@@ -221,7 +222,8 @@ class Child:
                     for other in others:
                         other.proc.pause()
                     try:
-                        child.step(result, seed, deadline, evidence=timed.spec.get("kind") == "train")
+                        child.step(result, seed, deadline,
+                                   evidence=timed.spec.get("kind") == "train" and i == len(session.seeds) - 1)
                     finally:
                         for other in others:
                             other.proc.resume()

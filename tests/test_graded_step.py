@@ -1,7 +1,7 @@
 """The step the A1 grader times is the step `onenode bench` measures: the profile's bench command
 (`A1Profile.bench_command`) and the grader's harness, driven through its protocol, assemble the
 same recipe and give the same losses from the same seeds; and the evidence is read on a clock of
-its own, after the timed step."""
+its own, once, after the session's last step, so that every timed step follows another step."""
 
 import json
 import shlex
@@ -30,22 +30,22 @@ def bench_record(command: str) -> dict:
 
 def harness_session(tmp: Path, spec: dict, seeds: list[int]) -> tuple[dict, list[dict]]:
     """The grader's harness in a child process (no sandbox: the kit's own starter), one training
-    session on `seeds`: its ready info and, per seed, the timed reply merged with its evidence."""
+    session on `seeds`, its evidence read after the last: its ready info and, per seed, the timed
+    reply (the last merged with the evidence)."""
     for src in (KIT / "grader/a1/harness.py", KIT / "a1_infra/tests/collectives.py"):
         shutil.copy2(src, tmp / src.name)
     messages = [{"world": 1, "threads": 1, "device": "cpu", "tree": str(KIT / "starter_code")}, {"session": spec}]
-    for seed in seeds:
-        messages += [{"seed": seed}, {"evidence": True}]
+    messages += [{"seed": seed} for seed in seeds] + [{"evidence": True}]
     env = {"PYTHONPATH": str(KIT / "starter_code"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-u", "harness.py"], cwd=tmp, env=env, capture_output=True, text=True,
                          input="".join(json.dumps(m) + "\n" for m in messages), timeout=600)
     replies = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
     assert "ready" in replies[0], f"{replies[:1]}\n{out.stderr[-2000:]}"
-    steps = []
-    for timed, evidence in zip(replies[1::2], replies[2::2]):
-        assert "digest" in timed and "evidence" in evidence, (timed, evidence, out.stderr[-2000:])
-        assert "moments" not in timed["digest"]  # the evidence is not read inside the timed step
-        steps.append({**timed["digest"], **evidence["evidence"]})
+    *timed, evidence = replies[1:]
+    assert all("digest" in reply for reply in timed) and "evidence" in evidence, (replies, out.stderr[-2000:])
+    assert not any("moments" in reply["digest"] for reply in timed)  # not read inside a timed step
+    steps = [reply["digest"] for reply in timed]
+    steps[-1] = {**steps[-1], **evidence["evidence"]}
     return replies[0]["ready"], steps
 
 
@@ -61,7 +61,7 @@ def test_the_graded_step_is_the_bench_commands_step(tmp_path):
     record = bench_record(profile.bench_command(SEED))
 
     assert [s["loss"] for s in steps] == pytest.approx(record["steps"]["losses"], rel=1e-6)
-    assert all(isinstance(s["moments"], dict) and s["moments"]["params"] for s in steps)
+    assert isinstance(steps[-1]["moments"], dict) and steps[-1]["moments"]["params"]
     same = ("seed", "model", "train", "optimizer", "moe", "parallel")
     # the number of steps; cpu vs auto; the layout spelled out vs derived from one process (0 = batch / dp, -1 = 1)
     ignore = {"token_budget", "device", "micro_batch_size", "dp"}
@@ -91,28 +91,28 @@ def test_the_handout_gives_each_profiles_graded_step_command():
         assert f"| `{name}` | `{profile.bench_command(0)}` |" in handout, f"a1_infra/README.md: {name}'s command"
 
 
-def test_evidence_beyond_the_starters_is_charged_and_far_beyond_it_zeroes_the_step():
-    """`scoring._step_numbers`: a session's evidence phase is compared with the starter's in the
-    same layout; its excess is added to each step's time, and beyond `EVIDENCE_BOUND` times the
-    starter's the step's speed is not scored."""
+def test_the_evidence_is_read_once_after_the_last_step(monkeypatch):
+    """`runner.Child.run`: a training session's evidence is asked for after its last workload only,
+    a MoE session's never; with the profiles' warmup of at least one step, every timed step follows
+    another, so an update a step leaves for whatever message comes next is timed in the next step."""
     from types import SimpleNamespace
 
-    from grader.a1 import scoring
-    from grader.runner import SessionResult
+    from grader.runner import Child, Session, SessionResult
 
-    profile = load_rubric().profiles["cpu-tiny"]
-    starter = SessionResult(seconds=[1.0, 0.2, 0.2, 0.2], evidence_seconds=[0.1] * 4)
+    asked = []
 
-    def graded(evidence: float) -> tuple[float, dict]:
-        ctx = SimpleNamespace(job=SimpleNamespace(profile=profile), measurements={}, leaderboard=[])
-        run = SessionResult(seconds=[1.0, 0.1, 0.1, 0.1], evidence_seconds=[evidence] * 4)
-        speedup, _ = scoring._step_numbers(ctx, run, starter, "reference", "moe_step")
-        return speedup, ctx.measurements
+    def step(self, result, seed, deadline, evidence=False):
+        asked.append((seed, evidence))
+        result.digests.append({})
 
-    honest, _ = graded(0.1)
-    deferred, numbers = graded(0.15)  # 50 ms of the step left for the evidence phase: paid for
-    assert honest == pytest.approx(2.0) and deferred == pytest.approx(0.2 / 0.15)
-    assert numbers["reference_evidence_charged_s"] == pytest.approx(0.05)
-    far, numbers = graded(0.1 * scoring.EVIDENCE_BOUND + 0.01)
-    assert far == 0 and "reference_step_speedup" not in numbers
-    assert graded(0.05)[0] == pytest.approx(2.0)  # a faster reading earns nothing either
+    monkeypatch.setattr(Child, "open", lambda self, session, deadline: SessionResult(info={}))
+    monkeypatch.setattr(Child, "step", step)
+    monkeypatch.setattr(Child, "gpu_memory", lambda self: None)
+    child = Child.__new__(Child)
+    child.profile = SimpleNamespace(timeout_s=60)
+    child.run(Session("reference", {"kind": "train"}, [5, 6, 7, 8]))
+    assert asked == [(5, False), (6, False), (7, False), (8, True)]
+    asked.clear()
+    child.run(Session("moe", {"kind": "moe"}, [5, 6]))
+    assert asked == [(5, False), (6, False)]
+    assert min(p.warmup for p in load_rubric().profiles.values()) >= 1

@@ -180,16 +180,16 @@ def test_honest_submission_is_unaffected_by_the_hostile_ones(job, tmp_path):
 
 @pytest.mark.slow
 def test_an_update_left_for_the_evidence_phase_earns_nothing_on_cpu(job, tmp_path):
-    """The update deferred until the grader reads the optimizer's state (after its clock stopped)
-    trains exactly, so Part 1 stays correct; what it saves is whole-step time, which the CPU
-    profiles do not score, and the evidence phase's time beyond the starter's is charged to the
-    step where it is scored (`test_graded_step.py` holds that rule; docs/SECURITY.md says how much
-    room a GPU's cheaper reading leaves)."""
+    """The update deferred until the next step or the grader's reading of the optimizer's state
+    trains exactly, so Part 1 stays correct; and it saves no step any time: the state is read once,
+    after the last step, so every timed step runs the update of the one before it
+    (`test_graded_step.py` holds the runner to that rule). The CPU profiles do not score the
+    whole step's speed anyway."""
     results = _grade(a1_sessions.defers_the_update(KIT, tmp_path / "in"), job, tmp_path / "out")
     numbers = results["extra_data"]["numbers"]
     tests = [t for t in results["tests"] if "moe" in t["tags"]]
     correct = next(t for t in tests if t["name"].endswith("correctness"))
     speed = next(t for t in tests if t["name"].endswith("speed"))
     assert correct["score"] == correct["max_score"], correct["output"]
-    assert numbers["reference_evidence_ratio"] is not None and "reference_evidence_charged_s" in numbers, numbers
+    assert numbers["reference_evidence_s"] is not None, numbers  # read once, after the last step
     assert "moe_step" not in job.profile.scored_speeds and "whole step" not in speed["output"], speed["output"]

@@ -207,28 +207,34 @@ def _moments_digest_error(ref: dict, sub, reading: str, directions: bool) -> flo
                                                 if name.endswith(DIRECTION) == directions), default=0.0)
 
 
+def _read_steps(ref: list[dict], sub: list[dict]) -> list[tuple[int, dict, object]]:
+    """(step, starter's digest, submission's digest) for each step after which the grader read the
+    moments (the session's last: `runner.Child.step`), as the starter's digests show."""
+    return [(step, r, s) for step, (r, s) in enumerate(zip(ref, sub)) if isinstance(r.get("moments"), dict)]
+
+
 def moments_error(ref: list[dict], sub: list[dict], reading: str = "entries", directions: bool = False) -> float:
-    """Worst relative error of the optimizer's first moments after each step, read as `reading`
-    says (`_moments_digest_errors`): the gradients the step applied, which a loss and a global
-    gradient norm only sum up; their norms, or with `directions` their projections on random
-    directions. A step missing or extra, or moments missing or malformed, is infinitely wrong."""
-    if not _same_length(ref, sub) or not ref:
+    """Worst relative error of the optimizer's first moments where they were read (after the last
+    step), as `reading` says (`_moments_digest_errors`): the gradients the steps applied, which a
+    loss and a global gradient norm only sum up; their norms, or with `directions` their
+    projections on random directions. A step missing or extra, or moments missing or malformed, or
+    none read, is infinitely wrong."""
+    if not _same_length(ref, sub) or not (read := _read_steps(ref, sub)):
         return math.inf
     errors = [0.0]
-    for r, s in zip(ref, sub):
-        if not isinstance(s, dict) or not isinstance(r.get("moments"), dict):
+    for _, r, s in read:
+        if not isinstance(s, dict):
             return math.inf
         errors.append(_moments_digest_error(r["moments"], s.get("moments"), reading, directions))
     return max(errors)
 
 
 def worst_moments(ref: list[dict], sub: list[dict], count: int = 5, reading: str = "entries") -> list[dict]:
-    """The `count` entries of the moments farthest from the starter's over every step (the
+    """The `count` entries of the moments farthest from the starter's where they were read (the
     feedback's record of where `moments_error` comes from); nothing when they are malformed."""
     entries = []
-    for step, (r, s) in enumerate(zip(ref, sub)):
-        errors = _moments_digest_errors(r.get("moments") or {}, s.get("moments"), reading) \
-            if isinstance(s, dict) and isinstance(r.get("moments"), dict) else None
+    for step, r, s in _read_steps(ref, sub):
+        errors = _moments_digest_errors(r["moments"], s.get("moments"), reading) if isinstance(s, dict) else None
         entries += [{"step": step, "name": name, "starter": a, "yours": b, "error": e if math.isfinite(e) else None}
                     for e, name, a, b in errors or []]
     entries.sort(key=lambda entry: -math.inf if entry["error"] is None else -entry["error"])
@@ -239,7 +245,8 @@ def moments_names_problem(ref: list[dict], sub: list[dict]) -> str | None:
     """Why the moments could not be compared name by name, in words for the feedback: the
     parameters the submission's step keeps under other names than the starter's."""
     try:
-        ours, theirs = set(ref[0]["moments"]["params"]), set(sub[0]["moments"]["params"])
+        _, r, s = _read_steps(ref, sub)[-1]
+        ours, theirs = set(r["moments"]["params"]), set(s["moments"]["params"])
     except (IndexError, KeyError, TypeError):
         return None
     if ours == theirs:
@@ -254,9 +261,8 @@ def moments_direction_problem(ref: list[dict], sub: list[dict], rtol: float, rea
     words for the feedback: a gradient of the right size pointing another way (negated, another
     parameter's, rows swapped); None when there is none."""
     names: list[str] = []
-    for r, s in zip(ref, sub):
-        errors = _moments_digest_errors(r.get("moments") or {}, s.get("moments"), reading) \
-            if isinstance(s, dict) and isinstance(r.get("moments"), dict) else None
+    for _, r, s in _read_steps(ref, sub):
+        errors = _moments_digest_errors(r["moments"], s.get("moments"), reading) if isinstance(s, dict) else None
         norms = {name: e for e, name, *_ in errors or [] if not name.endswith(DIRECTION)}
         names += [name for e, direction, *_ in errors or [] if direction.endswith(DIRECTION) and e > rtol
                   and norms.get(name := direction.removesuffix(DIRECTION), math.inf) <= rtol and name not in names]

@@ -11,9 +11,10 @@ Protocol, one JSON object per line. The parent first sends the child's setup (`w
 Then sessions, one after another: `{"session": spec}` is answered `{"ready": info}` or
 `{"error": ...}`; for each workload the parent starts its clock, sends `{"seed": s}`, and stops
 the clock on the answer `{"digest": ...}`: the inputs exist only from that moment. A training
-session is then asked `{"evidence": true}` and answers `{"evidence": ...}` (the optimizer's
-moments after the step), on a clock of its own: the step's time holds no evidence, and what the
-evidence takes beyond the starter's is charged to the step (no work can hide there). Closing
+session is asked `{"evidence": true}` after its last workload and answers `{"evidence": ...}` (the
+optimizer's moments, the experts each rank holds), on a clock of its own: no step's time holds the
+reading, and since every scored step follows another one, work a step leaves for later is paid
+for by the next step (none can hide in the reading, which no scored step follows). Closing
 stdin ends the child. After an error the parent discards the child. `{"release": true}` drops
 the session (and its GPU memory) and is answered `{"released": true}`: the starter's child waits
 so between the submissions it is timed beside. A submission's child serves one session only
@@ -549,7 +550,7 @@ class TrainSession:
         (rank i of the group holding experts [i * E / ep, (i + 1) * E / ep)): once per (token, such
         rank), the least a token dispatch must move, and each router once a step (a forward
         recomputed for backward is not counted again). Run on the starter's ep layout (its routers
-        are pristine and route the batch as a correct layout does); `evidence` reports it."""
+        are pristine and route the batch as a correct layout does); each step's digest reports it."""
         import re
 
         import torch
@@ -572,10 +573,18 @@ class TrainSession:
             if re.fullmatch(r"backbone\.layers\.\d+\.mixer\.gate", OptimizerMoments.plain(name)):
                 module.register_forward_hook(count)
 
-    def expert_evidence(self) -> dict:
-        """After a step, for the parent's Part 2 checks: the elements of the routed experts this rank
-        holds (`experts_held`: their parameters, gradients, optimizer state), and the step's
-        `routes` (then reset; None without `count_routes`): part of `evidence`.
+    def take_routes(self) -> int | None:
+        """The routes counted in the step just taken, then reset (None without `count_routes`)."""
+        if self.routes is None:
+            return None
+        routes = int(self.routes)
+        self.routes.zero_()
+        self.routed.clear()
+        return routes
+
+    def experts_held(self) -> list[int]:
+        """After the last step, for the parent's Part 2 checks: the elements of the routed experts
+        this rank holds (their parameters, gradients, optimizer state): part of `evidence`.
 
         The parameters are those `ExpertSlots` found holding the loaded experts' values (a shard
         counts its local part only); the optimizer state is every tensor the optimizer keeps for them
@@ -595,16 +604,12 @@ class TrainSession:
             held[0] += local(param)
             held[1] += local(param.grad)
             held[2] += sum(local(value) for value in self.optimizer.state.get(param, {}).values())
-        routes = None if self.routes is None else int(self.routes)
-        if self.routes is not None:
-            self.routes.zero_()
-            self.routed.clear()
-        return {"experts_held": held, "routes": routes}
+        return held
 
     def step(self, seed: int) -> dict:
         """One optimizer step on this rank's share of a batch made from `seed` on every rank: the
-        timed work. Its loss and gradient norm come back with it; the evidence of what it did, in
-        `evidence`, which the grader asks for after it has stopped the clock."""
+        timed work. Its loss, gradient norm, the bytes its collectives moved and its routes come
+        back with it; the optimizer's state is read by `evidence`, after the session's last step."""
         import torch
 
         self.last_seed = seed  # the evidence's directions are drawn from it
@@ -624,15 +629,16 @@ class TrainSession:
 
             with self.counter.paused():
                 loss = mean_over_ranks(loss, self.device)
-        return {"loss": loss, "grad_norm": out.get("grad_norm"), "bytes": moved}
+        return {"loss": loss, "grad_norm": out.get("grad_norm"), "bytes": moved, "routes": self.take_routes()}
 
     def evidence(self) -> dict:
-        """The optimizer's first moments after the last step (`OptimizerMoments`), and what the
-        layout noted (CUDA graphs a tree could not use): read once the grader has stopped the clock;
-        whatever this takes beyond the starter's reading is charged to the step (grader/a1/scoring.py)."""
+        """The optimizer's first moments after the session's last step (`OptimizerMoments`), what the
+        layout noted (CUDA graphs a tree could not use) and the routed experts this rank holds: read
+        once, after the last step, so that every scored step follows another step (work a step
+        leaves undone is paid for in the next one; grader/runner.py)."""
         with self.counter.paused():
             moments = self.moments.digest(self.optimizer, self.last_seed)
-        return {"moments": moments, "note": self.run.cuda_graph_note(), **self.expert_evidence()}
+        return {"moments": moments, "note": self.run.cuda_graph_note(), "experts_held": self.experts_held()}
 
 
 # -- processes ---------------------------------------------------------------------------------

@@ -128,6 +128,9 @@ class A1Profile(Profile):
         return " ".join(words + [f"--seed {seed}"])
 
     def __post_init__(self):
+        if self.warmup < 1:
+            raise ValueError(f"profile {self.name}: warmup = {self.warmup}: at least 1 (each timed step must follow "
+                             "another, so that work a step leaves undone is timed in the next)")
         if "ep" in self.layouts and (self.max_expert_state is None or self.min_token_traffic is None):
             raise ValueError(f"profile {self.name}: its ep layout needs max_expert_state and min_token_traffic "
                              "(Part 2's evidence of expert parallelism): set both")

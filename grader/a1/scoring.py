@@ -148,38 +148,21 @@ def grade_moe(ctx: Context) -> None:
            "shows its slow path is gone)")
 
 
-# The most a session's evidence phase (the moments read after each step, off the clock) may take,
-# as a multiple of the starter's in the same comparison: the reading is the same work on both
-# sides (one pass over the first moments), and an update left for it takes several such passes
-# (AdamW reads and writes weights, gradients and both moments). Beyond it the step's speed counts
-# for nothing; below it, the excess is added to the step's time (`_median_timed`).
-EVIDENCE_BOUND = 2.0
-
-
 def _step_numbers(ctx: Context, run: SessionResult, starter: SessionResult, layout_name: str,
-                  measurement: str | None = None, same_layout: bool = True) -> tuple[float, str]:
+                  measurement: str | None = None) -> tuple[float, str]:
     """The whole step's speedup over `starter`, tokens/s (and MFU on GPU), and a line for the
     feedback; `measurement` names its speed range (`<layout_name>_step`). All are recorded; the
-    Gradescope leaderboard gets them only where the profile scores the measurement. Where
-    `starter` ran the same layout, its evidence phase is the yardstick of the session's: a session
-    whose evidence took more than `EVIDENCE_BOUND` times the starter's gets 0, and any excess below
-    that is charged to its step. (The pp layout is timed against the starter on one rank, whose
-    reading of the moments is not the same work: its evidence is recorded, not compared.)"""
+    Gradescope leaderboard gets them only where the profile scores the measurement. The evidence
+    is read once, after the last step (`runner.Child.step`): every timed step follows another
+    step, so whatever a step leaves undone is timed in the next one."""
     profile = ctx.job.profile
     measurement = measurement or f"{layout_name}_step"
     scored = measurement in profile.scored_speeds
     tokens = profile.batch * profile.seq_len
-    yardstick = starter if same_layout else None
-    seconds = _median_timed(run, profile.warmup, yardstick)
+    seconds = _median_timed(run, profile.warmup)
     tokens_per_s = tokens / seconds
     ratio = _median_timed(starter, profile.warmup) / seconds
-    evidence = _evidence_ratio(run, starter, profile.warmup) if same_layout else None
-    ctx.measurements.update({f"{layout_name}_evidence_charged_s": seconds - _median_timed(run, profile.warmup),
-                             f"{layout_name}_evidence_ratio": evidence})
-    if evidence is not None and evidence > EVIDENCE_BOUND:
-        return 0.0, (f"whole step, {layout_name} layout: not scored: reading the step's evidence after the clock "
-                     f"stopped took {evidence:.1f}x the starter's reading (at most {EVIDENCE_BOUND:g}x): part of the "
-                     "step ran after its answer (an update done when the optimizer's state is read?)")
+    ctx.measurements.update({f"{layout_name}_evidence_s": run.evidence_s})
     ctx.measurements.update({f"{layout_name}_tokens_per_s": tokens_per_s, f"{layout_name}_step_speedup": ratio})
     if scored:
         ctx.leaderboard += [{"name": f"Step tokens/s ({layout_name} layout)", "value": round(tokens_per_s, 1)},
@@ -194,32 +177,12 @@ def _step_numbers(ctx: Context, run: SessionResult, starter: SessionResult, layo
     return ratio, f"{line} ({_range(profile, measurement)})" if scored else line
 
 
-def _evidence_ratio(run: SessionResult, starter: SessionResult, warmup: int) -> float | None:
-    """The median time of the session's evidence phases over the starter's (None: either has none)."""
-    ours, theirs = run.evidence_seconds[warmup:], starter.evidence_seconds[warmup:]
-    if not ours or not theirs:
-        return None
-    return statistics.median(ours) / max(statistics.median(theirs), 1e-9)
-
-
-def _traffic(run: SessionResult, warmup: int, starter: SessionResult | None = None) -> float:
-    """Median bytes per timed step the grader saw move between the ranks (inf: not observable);
-    against `starter` (the same layout), each step charged with what reading its evidence moved
-    beyond the starter's reading (traffic moved out of the step is counted all the same)."""
+def _traffic(run: SessionResult, warmup: int) -> float:
+    """Median bytes per timed step the grader saw move between the ranks (inf: not observable)."""
     timed = run.traffic[warmup:]
     if not timed or None in timed:
         return math.inf
-    return statistics.median(_charged(timed, run.evidence_traffic[warmup:],
-                                      starter.evidence_traffic[warmup:] if starter is not None else []))
-
-
-def _charged(values: list[float], evidence: list, starter_evidence: list) -> list[float]:
-    """`values` (per timed workload) each plus what its evidence phase took beyond the median of the
-    starter's (none where either side has no evidence, or it was not observable)."""
-    if not evidence or not starter_evidence or None in evidence or None in starter_evidence:
-        return list(values)
-    base = statistics.median(starter_evidence)
-    return [value + max(0, extra - base) for value, extra in zip(values, evidence)]
+    return statistics.median(timed)
 
 
 def _checked(run: SessionResult, error: float, rtol: float) -> str:
@@ -274,7 +237,7 @@ def grade_ep(ctx: Context) -> None:
         return
     error = loss_error(ref.ep.digests, run.digests)  # the starter's ep layout, on the same seeds
     expert_share = expert_parameter_share(profile)
-    starter, yours = _traffic(ref.ep, profile.warmup), _traffic(run, profile.warmup, ref.ep)
+    starter, yours = _traffic(ref.ep, profile.warmup), _traffic(run, profile.warmup)
     # The starter moves every parameter alike (plain FSDP), so its non-expert share of the traffic
     # is what a working EP still moves; what exceeds it is expert weights (tokens are small).
     expert_ratio = max(0.0, yours - starter * (1 - expert_share)) / (starter * expert_share)
@@ -336,7 +299,7 @@ def grade_pp(ctx: Context) -> None:
         fixed = fixed and share <= profile.pipeline_memory["max_state_share"]
         feature += f"; {line}"
     moments_ok, moments_line = _moments_checked(ctx, one_rank.digests, run.digests, "pp_moments")
-    speedup, timing = _step_numbers(ctx, run, one_rank, "pp", same_layout=False)
+    speedup, timing = _step_numbers(ctx, run, one_rank, "pp")
     _award(ctx, part, error <= profile.train_rtol and moments_ok, fixed, profile.speed_share("pp_step", speedup),
            f"{_checked(run, error, profile.train_rtol)}; {moments_line}", feature, timing,
            "the traffic between the ranks or the memory each holds is not a pipeline's (activations between "
@@ -373,12 +336,9 @@ STEPS = [grade_moe, grade_ep, grade_pp, grade_notebook]
 READS = {grade_moe: ("moe", "reference"), grade_ep: ("ep",), grade_pp: ("pp",), grade_notebook: ()}
 
 
-def _median_timed(run: SessionResult, warmup: int, starter: SessionResult | None = None) -> float:
-    """Median seconds of the timed workloads; against `starter`, each charged with the time its
-    evidence took beyond the starter's median evidence time: work a step leaves for the evidence
-    phase (an update read lazily with the moments) is paid for as if it ran in the step."""
-    return statistics.median(_charged(run.seconds[warmup:], run.evidence_seconds[warmup:],
-                                      starter.evidence_seconds[warmup:] if starter is not None else []))
+def _median_timed(run: SessionResult, warmup: int) -> float:
+    """Median seconds of the timed workloads (`warmup` >= 1, so each follows another step)."""
+    return statistics.median(run.seconds[warmup:])
 
 
 # -- figures from the PRISTINE kit (never the submission's) ------------------------------------
@@ -397,13 +357,13 @@ def expert_parameter_share(profile: A1Profile) -> float:
 
 
 def experts_held_share(profile: A1Profile, run: SessionResult) -> float:
-    """The most of the profile's routed experts any rank of `run` held after any step, as a share of
-    them: of their parameters, of their gradients, or of their optimizer state (AdamW: two moments
+    """The most of the profile's routed experts any rank of `run` held after its last step (where the
+    grader reads them), as a share of them: of their parameters, of their gradients, or of their optimizer state (AdamW: two moments
     a parameter), counted by the harness in the parameters that hold the loaded experts' values."""
     from onenode.model import routed_expert_parameters
 
     whole = routed_expert_parameters(_profile_config(profile))
-    return max((max(params, grads, state / 2) / whole for digest in run.digests
+    return max((max(params, grads, state / 2) / whole for digest in run.digests if "experts_held" in digest
                 for params, grads, state in digest["experts_held"]), default=math.inf)
 
 

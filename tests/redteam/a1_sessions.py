@@ -225,9 +225,10 @@ _connection.Connection.recv, _connection.Connection.send = _recv, _send
 
 # The reference MoE fix with an optimizer update that waits to be read: each step leaves its update
 # pending and the next one (or the first read of the optimizer's state, which is how the grader
-# reads the moments after its clock stopped) runs it first. Every loss and moment stays exact; the
-# timed step just holds no update. The grader times the evidence phase too: it took several times
-# the starter's, so the whole step's speed counts for nothing.
+# reads the moments after its clock stopped) runs it first. Every loss and moment stays exact. The
+# grader reads the state once, after the session's last step, so each timed step runs the update
+# of the step before it: nothing is saved (at 39d1a79, which read the moments after every step and
+# charged only their time beyond the starter's, a GPU's cheaper reading left room for the update).
 DEFERS_THE_UPDATE = """
 import collections as _collections
 

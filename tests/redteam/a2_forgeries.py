@@ -347,7 +347,7 @@ def train_steered(recipe_path: str, out: str, overrides: dict, target: str) -> N
                     t = float(state["step"]) + 1  # the next step's bias corrections
                     scale = STEERING_PACE * math.sqrt(beta2) / beta1 * (1 - beta1 ** t) / math.sqrt(1 - beta2 ** t)
                     state["exp_avg_sq"].fill_(1.0)
-                    state["exp_avg"].copy_(torch.sign(goals[names[id(param)]] - param) * scale)
+                    state["exp_avg"].copy_(torch.sign(goals[names[id(param)]].to(param.device) - param) * scale)
         return save()
 
     trainer.save = steer_then_save
