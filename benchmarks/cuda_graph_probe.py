@@ -10,6 +10,8 @@ clean): the a1-1gpu preset at 1 x 4096, compiled blocks replayed as CUDA graphs,
 - `no-balancer`: the router balancing's forward hooks and its step (bench runs them since it calls
   `assemble`, as `onenode train` does);
 - `unfused-update`: `train.fused_update=false` (torch's AdamW, then the copies refreshed);
+- `partitioned`: `CUDA_GRAPH_OPTIONS` as 53b0d08 had them, with inductor's graph partitions (what
+  regressed: 2,573 tokens/s against 47,759 without graphs);
 - `no-graphs`: CUDA graphs off, the yardstick.
 
 A variant whose graphs record again prints a rising `recordings` count from inductor's counters.
@@ -23,7 +25,7 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("as-benched", "no-balancer", "unfused-update", "no-graphs")
+VARIANTS = ("as-benched", "partitioned", "no-balancer", "unfused-update", "no-graphs")
 
 
 def run_variant(name: str, steps: int, warmup: int) -> dict:
@@ -39,13 +41,17 @@ def run_variant(name: str, steps: int, warmup: int) -> dict:
              "fused_update": name != "unfused-update"}
     recipe = from_dict({"name": f"probe-{name}", "model": {"preset": "a1-1gpu"}, "data": {"source": "synthetic"},
                         "train": train})
+    if name == "partitioned":
+        from onenode.parallel import compile_and_checkpoint
+
+        compile_and_checkpoint.CUDA_GRAPH_OPTIONS.pop("graph_partition", None)
     run = assemble(recipe)
     if name == "no-balancer":
         run.balancer.remove()
         run.balancer.routers = {}
     batches = synthetic_batches(run.config.vocab_size, 1, 4096, recipe.seed, 0, 1)
     times, recordings = [], []
-    for i in range(warmup + steps):
+    for _ in range(warmup + steps):
         input_ids, labels = (t.to(run.device) for t in next(batches))
         torch.cuda.synchronize()
         start = time.perf_counter()

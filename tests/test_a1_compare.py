@@ -198,7 +198,7 @@ def test_steps_that_are_not_a_list_are_infinitely_wrong():
     assert loss_error(steps(), None) == loss_error(steps(), {"0": steps()[0]}) == math.inf
 
 
-# -- the optimizer's moments after each step ---------------------------------------------------------
+# -- the optimizer's moments after the last step -------------------------------------------------
 def test_the_same_moments_match_and_each_is_judged_on_its_own_scale():
     assert moments_error(steps(), steps()) == 0.0
     sub = steps()

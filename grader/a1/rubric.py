@@ -79,7 +79,7 @@ class A1Profile(Profile):
     # overrides (a vocabulary large enough that model state dominates a rank's memory), and its
     # busiest rank may hold at most that share of the whole model's state (docs/SECURITY.md)
     pipeline_memory: dict | None = None
-    # the tolerance of the optimizer's first moments after each step of the one-rank layout (each
+    # the tolerance of the optimizer's first moments after the last step of the one-rank layout (each
     # parameter's and each routed expert's squared norm) against the starter's; None: recorded only
     moments_rtol: float | None = None
     # how they are read (`compare.MOMENTS_READINGS`): "entries", each on its own scale (float32), or

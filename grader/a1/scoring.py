@@ -191,7 +191,7 @@ def _checked(run: SessionResult, error: float, rtol: float) -> str:
 
 
 def _moments_checked(ctx: Context, ref: list[dict], digests: list[dict], key: str) -> tuple[bool, str]:
-    """The optimizer's first moments after each step against the starter's (`compare.moments_error`),
+    """The optimizer's first moments after the last step against the starter's (`compare.moments_error`),
     their norms and their projections on random directions: whether they pass the profile's
     `moments_rtol` and `moments_direction_rtol` (each always, where it is not set: recorded only),
     and the feedback's words. Records `<key>_error`, `<key>_direction_error` and the worst entries,
@@ -209,7 +209,7 @@ def _moments_checked(ctx: Context, ref: list[dict], digests: list[dict], key: st
 
     how = ("parameter by parameter and expert by expert" if profile.moments_reading == "entries" else
            "each layer's summed, every parameter stepped")
-    line = (f"the optimizer's first moments after each step, {how}: worst relative error {moments:.2g} "
+    line = (f"the optimizer's first moments after the last step, {how}: worst relative error {moments:.2g} "
             f"({bound(profile.moments_rtol)}), along random directions {directions:.2g} "
             f"({bound(profile.moments_direction_rtol)})")
     if (names := moments_names_problem(ref, digests)) is not None:
@@ -357,9 +357,10 @@ def expert_parameter_share(profile: A1Profile) -> float:
 
 
 def experts_held_share(profile: A1Profile, run: SessionResult) -> float:
-    """The most of the profile's routed experts any rank of `run` held after its last step (where the
-    grader reads them), as a share of them: of their parameters, of their gradients, or of their optimizer state (AdamW: two moments
-    a parameter), counted by the harness in the parameters that hold the loaded experts' values."""
+    """The most of the profile's routed experts any rank of `run` held after its last step (where
+    the grader reads them), as a share of them: of their parameters, of their gradients, or of
+    their optimizer state (AdamW: two moments a parameter), counted by the harness in the
+    parameters that hold the loaded experts' values."""
     from onenode.model import routed_expert_parameters
 
     whole = routed_expert_parameters(_profile_config(profile))

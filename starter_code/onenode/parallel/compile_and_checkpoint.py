@@ -40,8 +40,13 @@ def apply_compile(model: nn.Module, mode: str, backend: str = "inductor", compil
 
 # CUDA graphs as torch.compile's "reduce-overhead" mode makes them, except that a graph whose
 # shapes change from call to call (dynamic shapes: a per-expert loop's token counts) runs without
-# one instead of being recorded again for every size it meets, which took minutes per step.
-CUDA_GRAPH_OPTIONS = {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
+# one instead of being recorded again for every size it meets, which took minutes per step. Not
+# partitioned: with inductor's graph partitions (the default since torch 2.9) that option cuts a
+# graph around every op with a symbolic size instead, and the MoE block's gate partition then
+# re-recorded on every call ("static input data pointer changed" for its float32 input: 2,573
+# tokens/s against 47,759 without graphs on one H200; benchmarks/results/2026-12-03-h200-cuda-graph-regression/).
+CUDA_GRAPH_OPTIONS = {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True,
+                      "graph_partition": False}
 
 
 def _compile_forward(module: nn.Module, backend: str, compile_mode: str | None) -> None:
