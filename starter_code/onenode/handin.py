@@ -253,7 +253,7 @@ def trains_on_data(recipe: Path) -> bool:
 
     try:
         return load_recipe(recipe).data.source != "synthetic"
-    except RecipeError:
+    except (RecipeError, OSError):
         return False
 
 
