@@ -138,7 +138,7 @@ def replayed(run: Path, stack: Path, profile_name: str) -> dict:
 
     shutil.copytree(KIT_ROOT / "data" / "default", run / "data", dirs_exist_ok=True)
     profile = dataclasses.replace(load_rubric().profile(profile_name), replay_fraction=1.0)
-    checks, cost = replay_checks(load_submission(run), profile, stack, "benchmark", run)
+    checks, cost = replay_checks(load_submission(run, notebook=False), profile, stack, "benchmark", run)
     return {"checks": [c.__dict__ for c in checks], "cost": cost}
 
 

@@ -290,7 +290,8 @@ def check_a2_train_and_replay(node: Node) -> str:
         raise Failed(str(e).splitlines()[-1][:300], f"run `onenode train {A2_RECIPE.relative_to(KIT_ROOT)}` "
                      "on the A2 stack by hand (grader/a2/job.py train_on_stack)") from None
     trained = time.monotonic() - start
-    checks, cost = replay_checks(load_submission(run), rubric.profile(name), a2_stack(), "node-check", logs)
+    checks, cost = replay_checks(load_submission(run, notebook=False), rubric.profile(name), a2_stack(),
+                                 "node-check", logs)
     failed = next((c for c in checks if not c.ok), None)
     if failed is not None:
         raise Failed(f"{failed.name}: {failed.detail[:300]}", f"see {logs / 'replay.log'}")

@@ -53,8 +53,10 @@ class Handout:
     folder: Path  # the handout folder in the kit; the release names it the same
     parts: tuple[str, ...]  # what of `folder` students get (missing ones are skipped)
     starter: Callable[[Path], Path]  # writes the starter students get at DEST/starter_code and returns that
-    submit: tuple[str, ...]  # the README's "Submit" section, as Markdown lines
+    # the README's "Submit" section, as Markdown lines, or what makes them when the release is built
+    submit: tuple[str, ...] | Callable[[], tuple[str, ...]]
     run: tuple[str, ...] = ()  # commands the README's "Run" block adds after the public tests
+    extras: str = "hf,data,course,dev"  # the extras of pyproject.toml the README's install names
     # the bundle's starter_code -> lines that must not ship (a leak check beside the hints')
     secret_lines: Callable[[Path], set[str]] = no_secret_lines
     hints: Path | None = None  # hints.toml: ladders the instructor posts one rung at a time; never shipped

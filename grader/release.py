@@ -78,17 +78,16 @@ def student_readme(handout: Handout, has_handout: bool, has_tests: bool) -> str:
              "", "## Set up", "", "```bash",
              "python -m venv .venv",
              ".venv/bin/pip install torch          # your CUDA build on a GPU node; the CPU wheel elsewhere",
-             '.venv/bin/pip install -e ".[hf,data,course,dev]"',
+             f'.venv/bin/pip install -e ".[{handout.extras}]"',
              "git init -q && git add -A && git commit -qm handout   # so `git diff` shows your changes",
              "```", "", "## Run", "", "```bash",
-             ".venv/bin/onenode bench --preset tiny                  # seconds on a CPU",
-             ".venv/bin/onenode bench --preset a1-1gpu --seq-len 4096 --out before.json --profile prof/   # one GPU"]
+             ".venv/bin/onenode bench --preset tiny                  # seconds on a CPU"]
     if has_tests:
         lines.append(".venv/bin/python -m pytest -q                         "
                      "# the public tests (the starter fails them)")
     lines += [*handout.run,
               ".venv/bin/jupyter lab report.ipynb                     # the report: set PROFILE in its first cell",
-              "```", "", "## Submit", "", *handout.submit]
+              "```", "", "## Submit", "", *(handout.submit() if callable(handout.submit) else handout.submit)]
     return "\n".join(lines) + "\n"
 
 

@@ -167,10 +167,10 @@ def test_manifest_that_disagrees_with_its_checkpoint_is_rejected(submission, tmp
 
 def test_incomplete_submission_is_one_line(submission):
     (submission / "metrics.jsonl").unlink()
-    with pytest.raises(SubmissionError, match="metrics.jsonl is missing"):
+    with pytest.raises(SubmissionError, match="lacks metrics.jsonl: hand in the run folder"):
         load_a2_submission(submission)
     shutil.rmtree(submission / "final")
-    with pytest.raises(SubmissionError, match="final/config.json"):
+    with pytest.raises(SubmissionError, match="lacks final/config.json, metrics.jsonl: "):
         load_a2_submission(submission)
 
 

@@ -57,9 +57,13 @@ def solution_starter(dest: Path) -> Path:
 HANDOUT = Handout(
     title="A1: make the NemotronH training stack fast", folder=RUBRIC_PATH.parent,
     parts=("README.md", "rubric.toml", "tests"), starter=pristine_tree,
-    submit=("```bash", "git add -A starter_code/onenode   # new files too",
+    run=(".venv/bin/onenode bench --preset a1-1gpu --seq-len 4096 --out before.json --profile prof/   # one GPU",),
+    submit=("```bash", ".venv/bin/onenode pack a1   # the public tests, the patch checked as the grader does: "
+            "submission.tar.gz", "```", "",
+            "Hand in `submission.tar.gz`: `submission.patch` and `report.ipynb`. The patch by hand:", "",
+            "```bash", "git add -A starter_code/onenode   # new files too",
             'git diff --cached "$(git rev-list --max-parents=0 HEAD)" -- starter_code/onenode > submission.patch',
-            "```", "", "Hand in `submission.patch` and `report.ipynb` (a folder or one archive)."),
+            "```"),
     secret_lines=reference_patch_lines, hints=RUBRIC_PATH.parent / "hints.toml",
 )
 

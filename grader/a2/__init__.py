@@ -57,12 +57,22 @@ def job_from_args(rubric: A2Rubric, profile: str, workdir: Path, args: argparse.
     return job
 
 
+def submit_lines() -> tuple[str, ...]:
+    """The release README's Submit section: the pack command and the hand-in list, which the
+    intake refuses an incomplete submission by (`onenode.handin.A2_HAND_IN`)."""
+    from onenode.handin import hand_in_table
+
+    return ("One folder: the run folder that `onenode train` wrote, the data folder it trained on, and your "
+            "report. `onenode pack a2` checks the run as the grader's intake does and copies them into it; hand it "
+            "in on the node's shared storage, as the course says.", "",
+            "```bash", ".venv/bin/onenode pack a2 runs/mine --out submission", "```", "", *hand_in_table())
+
+
 HANDOUT = Handout(
     title="A2: pretrain your own model", folder=RUBRIC_PATH.parent,
     parts=("README.md", "rubric.toml", "recipes", "tests"), starter=solution_starter,
     run=(".venv/bin/onenode train a2_pretrain/recipes/tiny.yaml --out runs/tiny   # a recipe end to end on CPU",),
-    submit=("Hand in the final checkpoint (transformers layout), your recipe, the run manifest and logs, "
-            "and `report.ipynb`.",),
+    submit=submit_lines, extras="hf,data,hub,eval,course,dev",
 )
 
 A2 = Assignment(

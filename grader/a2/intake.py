@@ -11,8 +11,6 @@ from pathlib import Path
 
 from ..errors import SubmissionError
 
-CHECKPOINT_DIRS = ("final", "checkpoint")
-
 
 @dataclass
 class Link:
@@ -47,26 +45,27 @@ class A2Submission:
     data_manifest: dict | None  # data/manifest.json (None: no data folder)
 
 
-def load_submission(path: str | Path) -> A2Submission:
+def load_submission(path: str | Path, notebook: bool = True) -> A2Submission:
+    """The run folder at `path`, refused in one line unless it holds every entry of the hand-in
+    list (`onenode.handin.A2_HAND_IN`, which `onenode pack a2` checks too); report.ipynb only
+    with `notebook` (a job that grades notebooks)."""
+    from onenode.handin import a2_incomplete, a2_missing
+
     root = Path(path)
     if not root.is_dir():
-        raise SubmissionError(f"{root} is not a folder: an A2 submission is a run folder (final/, recipe.yaml, "
-                              "run_manifest.json, metrics.jsonl, report.ipynb)")
+        raise SubmissionError(f"{root} is not a folder: an A2 submission is a run folder (final/, checkpoints/, "
+                              "recipe.yaml, run_manifest.json, metrics.jsonl, report.ipynb, data/)")
     links = [p for p in root.rglob("*") if p.is_symlink()]
     if links:
         raise SubmissionError(f"{links[0].relative_to(root)} is a symbolic link: copy the file itself")
-    checkpoint = next((root / d for d in CHECKPOINT_DIRS if (root / d / "config.json").is_file()), None)
-    if checkpoint is None:
-        raise SubmissionError("no final/config.json: submit the run's final/ folder (the transformers export)")
-    found = {}
-    for name in ("recipe.yaml", "run_manifest.json", "metrics.jsonl"):
-        if not (root / name).is_file():
-            raise SubmissionError(f"{name} is missing: submit the whole run folder that `onenode train` wrote")
-        found[name] = root / name
-    notebook = root / "report.ipynb"
+    missing = a2_missing(root, notebook)
+    if missing:
+        raise SubmissionError(a2_incomplete(missing))
+    found = {name: root / name for name in ("recipe.yaml", "run_manifest.json", "metrics.jsonl")}
+    notebook_path = root / "report.ipynb"
     data = root / "data" if (root / "data" / "manifest.json").is_file() else None
-    return A2Submission(root.name, root, checkpoint, found["recipe.yaml"], found["run_manifest.json"],
-                        found["metrics.jsonl"], notebook if notebook.is_file() else None, data,
+    return A2Submission(root.name, root, root / "final", found["recipe.yaml"], found["run_manifest.json"],
+                        found["metrics.jsonl"], notebook_path if notebook_path.is_file() else None, data,
                         read_chain(root / "checkpoints"), read_json(found["run_manifest.json"]),
                         read_metrics(found["metrics.jsonl"]), read_json(data / "manifest.json") if data else None)
 

@@ -129,7 +129,7 @@ def verify(job: A2Job, sub: A2Submission, logs: Path, threads: int | None = None
 def grade(job: A2Job, path: Path, work: Path, logs: Path) -> Graded:
     """Verification, sandboxed evaluation against the baseline, the notebook. Nothing of the
     submission's code runs, so it needs no scratch folder (`work`)."""
-    sub = load_submission(path)
+    sub = load_submission(path, notebook=job.notebooks and job.evaluate)
     checks, cost = verify(job, sub, logs)
     report, error = evaluate_sandboxed(sub.checkpoint, job.profile, job.suite_dir, logs, "submission") \
         if job.evaluate else (None, "--verify-only: the run's verification alone")

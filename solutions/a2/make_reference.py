@@ -29,38 +29,30 @@ HERE = Path(__file__).resolve().parent
 KIT_ROOT = HERE.parents[1]
 RECIPE = HERE / "recipe.yaml"
 NOTEBOOK = KIT_ROOT / "assignments" / "source" / "a2" / "report.ipynb"  # the completed report (nbgrader source)
-RUN_FILES = ("recipe.yaml", "run_manifest.json", "metrics.jsonl")
-RUN_FOLDERS = ("final", "checkpoints")
 OVER_BUDGET = {"train.token_budget": 32768}  # 16 steps more than the cpu-tiny budget of 24,576 tokens
 
 if str(KIT_ROOT) not in sys.path:
     sys.path.insert(0, str(KIT_ROOT))
 
 
-def make_submission(dest: str | Path, with_data: bool = True) -> Path:
+def make_submission(dest: str | Path) -> Path:
     """The reference submission at `dest` (see `assemble`)."""
     from grader.a2 import trained_run
 
-    return assemble(trained_run(RECIPE), Path(dest), with_data)
+    return assemble(trained_run(RECIPE), Path(dest))
 
 
-def assemble(run: Path, dest: Path, with_data: bool = True) -> Path:
-    """A submission at `dest` from a run folder: its final/, checkpoints/, recipe, manifest and
-    log, the report, and (with_data) the data folder it trained on, which the grader replays the
+def assemble(run: Path, dest: Path) -> Path:
+    """A submission at `dest` from a run folder, copied as `onenode pack a2` copies one but
+    without its checks (the forgeries are assembled so too): its final/, checkpoints/, recipe,
+    manifest and log, the report, and the data folder it trained on, which the grader replays the
     run on and checks for evaluation text."""
     from onenode.eval.model import recipe_data_dir
+    from onenode.pack import copy_a2
     from onenode.train.recipe import load_recipe
 
     shutil.rmtree(dest, ignore_errors=True)
-    for name in RUN_FOLDERS:
-        shutil.copytree(run / name, dest / name)
-    for name in RUN_FILES:
-        shutil.copy2(run / name, dest / name)
-    shutil.copy2(NOTEBOOK, dest / "report.ipynb")
-    data = recipe_data_dir(load_recipe(run / "recipe.yaml"), KIT_ROOT)
-    if with_data and data is not None:
-        shutil.copytree(data, dest / "data", ignore=shutil.ignore_patterns("text"))
-    return dest
+    return copy_a2(run, dest, NOTEBOOK, recipe_data_dir(load_recipe(run / "recipe.yaml"), KIT_ROOT))
 
 
 def make_over_budget(dest: str | Path) -> Path:
@@ -74,7 +66,7 @@ def make_over_budget(dest: str | Path) -> Path:
     shutil.rmtree(run, ignore_errors=True)
     shutil.copytree(trained_run(RECIPE), run, ignore=shutil.ignore_patterns("final"))
     train_on_stack(RECIPE, run, OVER_BUDGET)
-    assemble(run, dest, with_data=False)
+    assemble(run, dest)
     shutil.rmtree(run)
     return dest
 

@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "data": "onenode.data.cli",
     "eval": "onenode.eval.cli",
     "convert": "onenode.model.cli",
+    "pack": "onenode.pack",
 }
 
 # The optional dependencies (pyproject.toml's extras), by the module a missing one fails to import.
