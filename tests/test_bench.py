@@ -76,6 +76,8 @@ def test_transformers_peer_runs_the_same_weights(tmp_path):
     ours = _bench(tmp_path)
     peer = _bench(tmp_path, "--impl", "transformers", "--steps", "1", "--warmup", "0")
     assert peer["impl"] == "transformers/grouped_mm"
+    assert peer["layout"]["module"] == "onenode.bench.peer.TransformersPeer", peer["layout"]  # not the kit's model
+    assert ours["layout"]["module"] == "onenode.model.nemotron_h.NemotronHForCausalLM", ours["layout"]
     # Same weights, same batch: the first loss agrees before any update.
     assert peer["steps"]["losses"][0] == pytest.approx(ours["steps"]["losses"][0], rel=1e-4)
 

@@ -54,6 +54,12 @@ def bench_recipe(args, world: int, steps: int) -> Recipe:
     return recipe.with_overrides({"train.token_budget": recipe.tokens_per_step * steps})
 
 
+def _qualified_name(module) -> str:
+    """The trained module's class, as `module.Class`: which implementation the record timed."""
+    module = getattr(module, "_orig_mod", module)
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
 def run(args) -> dict:
     _, world = init_distributed()
     steps = args.warmup + args.steps + (args.profile_steps if args.profile or world > 1 else 0)
@@ -65,7 +71,7 @@ def run(args) -> dict:
                               "drop --compile/--activation-checkpointing and run one process")
         peer = (lambda model: build_transformers_peer(model, args.experts_implementation)) \
             if args.impl == "transformers" else None
-        training = assemble(recipe, init_weights=peer)
+        training = assemble(recipe, replace_model=peer)
     except RecipeError as e:
         raise SystemExit(f"onenode bench: {e}") from None
     config, device, layout, rank = training.config, training.device, training.layout, training.rank
@@ -167,7 +173,7 @@ def run(args) -> dict:
                    "cuda_graphs": t.cuda_graphs, "cuda_graph_note": training.cuda_graph_note(),
                    "unfused_update": not t.fused_update, "dtype": t.precision,
                    "optimizer": recipe.optimizer.name, "lr": recipe.optimizer.lr, "seed": recipe.seed,
-                   "mamba_kernel": config.mamba_kernel},
+                   "mamba_kernel": config.mamba_kernel, "module": _qualified_name(training.parallel.model)},
         "env": environment(world) | {"cuda": torch.version.cuda, "device_type": device.type},
         "steps": {"warmup": args.warmup, "measured": args.steps, "step_times_s": step_times,
                   "losses": losses, "profiled": args.profile_steps if split else 0},

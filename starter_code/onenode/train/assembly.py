@@ -135,12 +135,15 @@ class TrainingRun:
 
 
 def assemble(recipe: Recipe, *, device: torch.device | str | None = None,
-             init_weights: Callable[[nn.Module], None] | None = None) -> TrainingRun:
+             init_weights: Callable[[nn.Module], None] | None = None,
+             replace_model: Callable[[nn.Module], nn.Module] | None = None) -> TrainingRun:
     """The recipe's training run on this process (joining torchrun's group when launched by it).
 
     The model is built from `recipe.seed` on `device` (default: the recipe's `train.device`, "auto"
     being this rank's GPU, else the CPU); `init_weights(model)`, where given, then sets its weights
-    on the plain model before anything is laid out (the A1 grader loads the starter's weights so).
+    on the plain model before anything is laid out (the A1 grader loads the starter's weights so);
+    `replace_model(model)`, where given, returns the module trained instead, built from the plain
+    model's weights (`onenode bench --impl transformers`: transformers' own NemotronH).
     """
     rank, world = init_distributed()
     t = recipe.train
@@ -158,6 +161,8 @@ def assemble(recipe: Recipe, *, device: torch.device | str | None = None,
     model = build_model(config, seed=recipe.seed, device=device)
     if init_weights is not None:
         init_weights(model)
+    if replace_model is not None:
+        model = replace_model(model)
     p = recipe.parallel
     pipeline = {"schedule": p.pp_schedule, "microbatches": p.microbatches or None} if p.pp > 1 else {}
     parallel = parallelize(model, layout.dims, param_dtype=torch.bfloat16 if t.precision == "bf16" else None,
