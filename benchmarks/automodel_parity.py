@@ -11,8 +11,9 @@ gated RMSNorm), so this runs on a GPU only. The install, the fewest of its depen
 
 mamba_ssm's fused scan calls causal-conv1d's CUDA convolution for its first step, a package that
 needs an nvcc build. Where it is not installed, the short causal depthwise convolution it computes is
-given here in plain PyTorch (`_causal_conv1d`, forward only); the scan and the norm stay mamba_ssm's
-own. Triton's float32 matrix products run in IEEE float32 (`TRITON_F32_DEFAULT=ieee`), not TF32.
+given in plain PyTorch (`automodel_peer.stand_in_causal_conv1d`); the scan and the norm stay
+mamba_ssm's own. Automodel's model is built as `automodel_peer.py` builds the training peer. Triton's
+float32 matrix products run in IEEE float32 (`TRITON_F32_DEFAULT=ieee`), not TF32.
 
     python benchmarks/automodel_parity.py --out benchmarks/results/DATE-h200-automodel-parity/parity.json
     python benchmarks/automodel_parity.py --cpu --out /tmp/parity.json   # the layouts without Mamba, on a CPU
@@ -25,16 +26,16 @@ import json
 import os
 import platform
 import sys
-import types
 from pathlib import Path
 
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 KIT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(KIT_ROOT / "starter_code"))
+sys.path.insert(0, str(KIT_ROOT / "benchmarks"))
+from automodel_peer import automodel_nemotron_h, load_mamba_ssm_kernels, stand_in_causal_conv1d  # noqa: E402
 
 # Both kinds of hybrid layout (Mamba first, attention first with a dense MLP), on the tiny preset and
 # on one with wider Mamba heads; sequences of several scan chunks.
@@ -55,61 +56,11 @@ BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch", experts="torch_mm"
 TOLERANCE = 1e-4  # relative (norm of the difference over the norm of the kit's logits)
 
 
-def _causal_conv1d(x, weight, bias=None, activation: bool = False):
-    """x (batch, channels, length), weight (channels, width): each channel's causal convolution."""
-    width = weight.shape[-1]
-    out = F.conv1d(x, weight.unsqueeze(1), bias, padding=width - 1, groups=x.shape[1])[..., : x.shape[-1]]
-    return F.silu(out) if activation else out
-
-
-def _stand_in_causal_conv1d() -> str:
-    """The causal-conv1d package, or the forward-only stand-in when it is not installed."""
-    try:
-        import causal_conv1d  # noqa: F401
-
-        return "causal-conv1d (installed)"
-    except ImportError:
-        pass
-
-    def fwd(x, weight, bias, seq_idx, initial_states, final_states_out, silu_activation):
-        if seq_idx is not None or initial_states is not None:
-            raise NotImplementedError("the stand-in convolution runs whole sequences only")
-        return _causal_conv1d(x, weight, bias, silu_activation)
-
-    def fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
-           final_states_out=None, activation=None):
-        return fwd(x, weight, bias, seq_idx, initial_states, final_states_out, activation in ("silu", "swish"))
-
-    def not_given(*args, **kwargs):
-        raise NotImplementedError("the stand-in causal convolution runs the forward of whole sequences only")
-
-    package, cpp = types.ModuleType("causal_conv1d"), types.ModuleType("causal_conv1d.cpp_functions")
-    package.causal_conv1d_fn, package.causal_conv1d_update = fn, not_given
-    cpp.causal_conv1d_fwd_function = fwd
-    cpp.causal_conv1d_bwd_function = cpp.causal_conv1d_update_function = not_given
-    package.cpp_functions = cpp
-    sys.modules.update({"causal_conv1d": package, "causal_conv1d.cpp_functions": cpp})
-    return "stand-in: torch conv1d (forward only)"
-
-
-def _load_mamba_ssm_kernels() -> None:
-    """mamba_ssm's Triton modules Automodel imports in its forward, loaded past the package's
-    `__init__` (which needs its CUDA extension) and kept in sys.modules for those imports."""
-    from onenode.model.mamba_ssm_scan import import_skipping_package_init
-
-    for module in ("mamba_ssm.ops.triton.ssd_combined", "mamba_ssm.ops.triton.layernorm_gated"):
-        import_skipping_package_init(module)
-
-
 def _relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return float((ours.double() - theirs.double()).norm() / ours.double().norm())
 
 
 def compare(overrides: dict, device: torch.device, seq_len: int, seed: int) -> dict:
-    from nemo_automodel.components.models.common.utils import BackendConfig
-    from nemo_automodel.components.models.nemotron_v3.model import NemotronHForCausalLM as AutomodelNemotronH
-    from transformers import NemotronHConfig
-
     from onenode.model import hf_io
     from onenode.model.config import get_preset
     from onenode.model.nemotron_h import NemotronHForCausalLM
@@ -117,19 +68,16 @@ def compare(overrides: dict, device: torch.device, seq_len: int, seed: int) -> d
     config = get_preset("tiny", **overrides)
     torch.manual_seed(seed)
     kit = NemotronHForCausalLM(config).to(device).eval()
-    theirs = AutomodelNemotronH.from_config(NemotronHConfig(**config.to_hf_dict()), BackendConfig(**BACKEND))
-    theirs = theirs.to(device=device, dtype=torch.float32).eval()
+    # the kit's weights into Automodel's model through its adapter
+    theirs = automodel_nemotron_h(config, BACKEND, device, torch.float32, kit.state_dict()).eval()
     tokens = torch.randint(0, config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seed))
     tokens = tokens.to(device)
     result = {"config": overrides, "seq_len": seq_len}
     with torch.no_grad():
-        # the kit's weights into Automodel's model through its adapter
-        theirs.load_state_dict(theirs.state_dict_adapter.from_hf(dict(kit.state_dict())), strict=True)
         ours_logits = kit(tokens).logits.float()
         result["kit_into_automodel"] = _relative(ours_logits, theirs(tokens).logits.float())
         # Automodel's own initialisation into the kit's model through `to_hf`
-        fresh = AutomodelNemotronH.from_config(NemotronHConfig(**config.to_hf_dict()), BackendConfig(**BACKEND))
-        fresh = fresh.to(device=device, dtype=torch.float32).eval()
+        fresh = automodel_nemotron_h(config, BACKEND, device, torch.float32).eval()
         fresh.initialize_weights(buffer_device=device, dtype=torch.float32)
         back = fresh.state_dict_adapter.to_hf(fresh.state_dict())
         again = NemotronHForCausalLM(config).to(device).eval()
@@ -157,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                          "pip install --no-deps nemo-automodel==0.7.0") from None
     convolution = None
     if not args.cpu:
-        convolution = _stand_in_causal_conv1d()
+        convolution = stand_in_causal_conv1d()
         try:
-            _load_mamba_ssm_kernels()
+            load_mamba_ssm_kernels()
         except ImportError as e:
             raise SystemExit(f"automodel_parity.py: mamba_ssm's Triton kernels are missing ({e}): install them "
                              "with `make mamba-ssm`") from None

@@ -1,5 +1,6 @@
 """A1 on one H200, side by side in one job: the starter, the reference solution at one sequence and
-at its best layout, transformers' peer, and optionally the solution as an earlier commit had it.
+at its best layout, transformers' and NeMo Automodel's peers, and optionally the solution as an
+earlier commit had it.
 
     python3 benchmarks/run_a1_gpu.py OUTDIR --commit SHA            # on the GPU machine, about 6 minutes
     python3 benchmarks/run_a1_gpu.py --prepare --before REV ...     # where git works: build the trees, print them
@@ -27,6 +28,9 @@ backward: `parallel/mixed_precision.py`), in order of importance:
   eager, at micro-batch x seq-len: what each fix alone does on one GPU (parts 2 and 3 change
   layouts of several processes, so here they should run as the starter does);
 - `transformers`: transformers' `NemotronHForCausalLM`, `grouped_mm` experts, the same weights;
+- `automodel` (on a GPU): NeMo Automodel's NemotronV3 trained as Automodel trains it (bf16 weights,
+  fused AdamW) on the best backends that install, from the same weights and batches, at micro-batch x
+  seq-len: `automodel_peer.py` (not `onenode bench`; its record has the same figures and the backends);
 - `at-<sha>` (one per `--before REV` or `--before-tree`): the solution as commit REV had it, eager,
   at micro-batch x seq-len: what the commits since then changed (one REV per step: each step's effect);
 - `ssd` (with `--ssd-probe`, first): `ssd_probe.py`, the Mamba2 scan alone per implementation.
@@ -59,6 +63,7 @@ from patched_copy import git_apply, patched_tree  # noqa: E402  (the kit's helpe
 
 PARTS = ("1-moe", "2-ep", "3-pp")  # solutions/a1/parts/: each slow path's fix alone
 LOSS_TOLERANCE = 0.02  # bf16, different kernels: the first losses agree to about 1e-3
+AUTOMODEL_PEER = KIT_ROOT / "benchmarks" / "automodel_peer.py"  # the `automodel` run's script
 
 
 def solution_tree(prebuilt: str | None, patch: str = "submission") -> Path:
@@ -141,10 +146,11 @@ def run_ssd_probe(args, path: Path, log) -> dict:
     return {"command": command, **result}
 
 
-def run_bench(name: str, tree: Path, options: list[str], timeout: int, log) -> dict:
-    """One `onenode bench` in `tree`, its output appended to `log`; the summary entry."""
+def run_bench(name: str, tree: Path, options: list[str], timeout: int, log, script: Path | None = None) -> dict:
+    """One `onenode bench` (or `script`, whose record has the bench's figures) in `tree`, its output
+    appended to `log`; the summary entry."""
     record_path = Path(options[options.index("--out") + 1])
-    argv = [sys.executable, "-m", "onenode.cli", "bench", *options]
+    argv = [sys.executable, *([str(script)] if script else ["-m", "onenode.cli", "bench"]), *options]
     entry = {"command": f"cd {tree} && PYTHONPATH=starter_code python3 " + " ".join(argv[1:])}
     log.write(f"$ {entry['command']}\n")
     log.flush()
@@ -165,6 +171,8 @@ def run_bench(name: str, tree: Path, options: list[str], timeout: int, log) -> d
         entry |= {k: record["results"][k] for k in ("tokens_per_s", "mfu", "mfu_vs_ceiling", "ceiling_tflops",
                                                     "peak_memory_gib", "step_time_median_s")}
         entry["first_loss"] = record["steps"]["losses"][0]
+        if "backends" in record:
+            entry["backends"] = record["backends"]
     return entry
 
 
@@ -214,10 +222,11 @@ def main() -> int:
     befores = [existing_tree("--before-tree", t) for t in args.before_tree] + [tree_at_commit(r) for r in args.before]
     befores = list(dict.fromkeys(befores))  # a commit given twice runs once
 
-    common = ["--preset", args.preset, "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-              "--warmup", str(args.warmup), "--measure-ceiling", "--quiet", "--profile-steps", "1"]
-    common += [option for flag, value in (("--device", args.device), ("--dtype", args.dtype)) if value
+    shared = ["--preset", args.preset, "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+              "--warmup", str(args.warmup), "--measure-ceiling", "--quiet"]
+    shared += [option for flag, value in (("--device", args.device), ("--dtype", args.dtype)) if value
                for option in (flag, value)]
+    common = [*shared, "--profile-steps", "1"]
     one, best = ["--micro-batch", str(args.micro_batch)], ["--micro-batch", str(args.best_micro_batch)]
     runs = [  # name, tree, extra options; the most important first
         ("solution", solution, one),
@@ -228,6 +237,7 @@ def main() -> int:
         ("starter", starter, one),
         *((f"part-{part}", solution_tree(None, part), one) for part in PARTS),  # the same bench, one fix each
         ("transformers", solution, [*one, "--impl", "transformers", "--experts-implementation", "grouped_mm"]),
+        *([("automodel", solution, one)] if args.device != "cpu" else []),  # its Mamba layers need a GPU
     ]
     layouts = {"eager": one, "compiled": [*one, "--compile", "blocks"],
                "best": [*best, "--compile", "blocks"]}
@@ -246,10 +256,15 @@ def main() -> int:
             summary["ssd"] = run_ssd_probe(args, out / "ssd.json", log)
             print(f"{'ssd probe':<20} fastest correct: {summary['ssd'].get('fastest_correct')}", flush=True)
         for name, tree, extra in runs:
-            argv = [*common, *extra, "--profile", str(traces / name), "--out", str(out / f"{name}.json")]
+            if name == "automodel":  # automodel_peer.py: the bench's options, without a profiled window
+                script, argv = AUTOMODEL_PEER, [*shared, *extra]
+            else:
+                script, argv = None, [*common, *extra, "--profile", str(traces / name)]
+            argv += ["--out", str(out / f"{name}.json")]
             left = args.budget - (time.monotonic() - job_start)
-            timeout = int(min(args.timeout * (2 if "--compile" in extra else 1), left))
-            summary["runs"][name] = run_bench(name, tree, argv, timeout, log)
+            # compiled runs, and the peer's Triton autotuning: twice the time
+            timeout = int(min(args.timeout * (2 if "--compile" in extra or script else 1), left))
+            summary["runs"][name] = run_bench(name, tree, argv, timeout, log, script)
             summary["runs"][name]["micro_batch"] = int(extra[extra.index("--micro-batch") + 1])
             print(f"{name:<20} {summary['runs'][name]['status']}", flush=True)
     summary["wall_s"] = time.monotonic() - job_start
@@ -266,17 +281,18 @@ def main() -> int:
         same_batch = reference and entry["micro_batch"] == reference["micro_batch"]
         if same_batch and name not in ("solution", "starter"):
             entry["loss_agrees"] = abs(entry["first_loss"] - reference["first_loss"]) < LOSS_TOLERANCE
-        for other in ("starter", "transformers", "solution"):
+        for other in ("starter", "transformers", "automodel", "solution"):
             if other in ok and other != name:
                 entry[f"speedup_vs_{other}"] = entry["tokens_per_s"] / ok[other]["tokens_per_s"]
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
     print(f"\n{'run':<20} {'tok/s':>9} {'MFU':>7} {'vs ceil':>8} {'peak GiB':>9} {'x starter':>9} {'x peer':>7} "
-          f"{'x sol.':>7} {'loss0':>8}")
+          f"{'x autom.':>8} {'x sol.':>7} {'loss0':>8}")
     for name, e in ok.items():
         print(f"{name:<20} {e['tokens_per_s']:>9,.0f} {e['mfu']:>7.2%} {e['mfu_vs_ceiling']:>8.2%} "
               f"{e['peak_memory_gib']:>9.1f} {e.get('speedup_vs_starter', float('nan')):>9.2f} "
               f"{e.get('speedup_vs_transformers', float('nan')):>7.2f} "
+              f"{e.get('speedup_vs_automodel', float('nan')):>8.2f} "
               f"{e.get('speedup_vs_solution', float('nan')):>7.2f} {e['first_loss']:>8.4f}"
               + ("" if e.get("loss_agrees", True) else "  LOSS DIFFERS"))
     print(f"\nrecords, summary.json and log.txt in {out} ({summary['wall_s']:.0f} s)")

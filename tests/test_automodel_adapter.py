@@ -70,19 +70,26 @@ def test_automodels_weights_come_back_into_the_kits_model_unchanged(pattern):
         assert torch.equal(again.state_dict()[key], tensor), key
 
 
+def _script(name: str):
+    """A benchmarks/ script as a module, in this process (where Automodel is imported already)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_logits_match_automodels_on_the_layers_a_cpu_runs(tmp_path):
     """benchmarks/automodel_parity.py --cpu: on layouts without Mamba layers (attention, routed experts,
     the dense MLP), Automodel's forward runs in plain PyTorch, and its float32 logits must match the
     kit's on the same weights and tokens, both ways. The Mamba layouts run on a GPU (recorded). Run
     in this process, where Automodel is imported already."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "automodel_parity.py"
-    spec = importlib.util.spec_from_file_location("automodel_parity", script)
-    parity = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(parity)
+    parity = _script("automodel_parity")
     out = tmp_path / "parity.json"
     assert parity.main(["--cpu", "--out", str(out), "--seq-len", "40"]) == 0
     record = json.loads(out.read_text())
@@ -93,3 +100,42 @@ def test_logits_match_automodels_on_the_layers_a_cpu_runs(tmp_path):
     if not torch.cuda.is_available():  # the Mamba layouts: one line that says where they run
         with pytest.raises(SystemExit, match="no CUDA device; .* run this on a GPU"):
             parity.main(["--out", str(tmp_path / "gpu.json")])
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("fp32", 1e-5), ("bf16", 2e-3)])
+def test_the_automodel_peer_trains_from_the_kits_first_loss(tmp_path, dtype, tolerance):
+    """benchmarks/automodel_peer.py (run_a1_gpu.py's `automodel` run) on a CPU, on a layout without
+    Mamba layers: built from the weights `onenode bench` builds with the same options and trained on
+    its first batch, Automodel's first loss is the kit's (to float rounding, or bf16's); its record
+    has the bench's figures and the backends, each that would not train with its error."""
+    import importlib.util
+    import json
+
+    from onenode import cli
+    from onenode.flops import model_flops
+
+    peer = _script("automodel_peer")
+    options = ["--preset", "tiny", "--seq-len", "32", "--steps", "1", "--warmup", "1", "--dtype", dtype,
+               "--set", "model.overrides.pattern=-E*E"]
+    assert cli.main(["bench", *options, "--quiet", "--out", str(tmp_path / "kit.json")]) == 0
+    assert peer.main([*options, "--quiet", "--out", str(tmp_path / "peer.json")]) == 0
+    kit, record = (json.loads((tmp_path / name).read_text()) for name in ("kit.json", "peer.json"))
+    assert record["steps"]["losses"][0] == pytest.approx(kit["steps"]["losses"][0], rel=tolerance)
+    assert record["precision"].startswith(f"parameters, gradients and moments {dtype}")
+    r = record["results"]
+    assert r["tokens_per_s"] > 0 and r["tokens_per_s"] == pytest.approx(32 / r["step_time_median_s"])
+    flops = model_flops(get_preset("tiny", hybrid_override_pattern="-E*E"), 32).matmul_flops_per_token
+    assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / 989e12)
+    backends = record["backends"]
+    assert backends["ran"] in peer.BACKENDS and record["impl"] == f"nemo-automodel/{backends['ran']}"
+    assert backends["tried"][-1] == {"backends": backends["ran"], "error": None}
+    assert [entry["backends"] for entry in backends["tried"]] == list(peer.BACKENDS)[:len(backends["tried"])]
+    assert all(entry["error"] for entry in backends["tried"][:-1])  # each one before it failed, and says how
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert backends["tried"][0] == {"backends": "te+torch_mm",
+                                        "error": "ModuleNotFoundError: No module named 'transformer_engine'"}
+        with pytest.raises(SystemExit, match=r"no backend trained a step: te\+torch_mm: ModuleNotFoundError"):
+            peer.main([*options, "--backends", "te+torch_mm", "--out", str(tmp_path / "none.json")])
+    if not torch.cuda.is_available():  # Automodel's Mamba layers: one line that says where they run
+        with pytest.raises(SystemExit, match="mamba_ssm's Triton kernels: run on a GPU"):
+            peer.main(["--preset", "tiny", "--out", str(tmp_path / "mamba.json")])
