@@ -118,10 +118,10 @@ def grade_moe(ctx: Context) -> None:
     if "moe_layer" in profile.scored_speeds:
         ctx.leaderboard.append({"name": "Part 1: MoE speedup", "value": round(layer, 2)})
     exact = " computed in float32" if ref.moe_exact is not ref.moe else ""
-    why = f" ({explain.moe_infinite(ref.moe_exact.digests, run.digests)})" if math.isinf(error) else ""
+    why = f"; {explain.moe_infinite(ref.moe_exact.digests, run.digests)}" if math.isinf(error) else ""
     checked = (f"outputs, input gradients and each expert's gradients on {len(run.digests)} grader-chosen inputs, "
-               f"against the starter's layer{exact}: worst relative error {error:.2g}{why} "
-               f"(tolerance {profile.rtol:g})")
+               f"against the starter's layer{exact}: worst relative error {error:.2g} "
+               f"(tolerance {profile.rtol:g}{why})")
     timings = {"moe_layer": (
         f"one MoE layer, median of {len(run.seconds) - warmup} timed workloads of {profile.moe.get('iters', 1)} "
         f"forward+backward passes in turns with the starter: starter {starter_s * 1e3:.2f} ms, yours "
@@ -199,9 +199,9 @@ def _traffic(run: SessionResult, warmup: int) -> float:
 
 
 def _checked(run: SessionResult, error: float, rtol: float) -> str:
-    why = f" ({explain.LOSS_INFINITE})" if math.isinf(error) else ""
+    why = f"; {explain.LOSS_INFINITE}" if math.isinf(error) else ""
     return (f"loss and gradient norm over {len(run.digests)} optimizer steps vs the starter's on the same seeds: "
-            f"worst relative error {error:.2g}{why} (tolerance {rtol:g})")
+            f"worst relative error {error:.2g} (tolerance {rtol:g}{why})")
 
 
 def _after_wrong_parts(ctx: Context, part: str, correct: bool, checked: str) -> str:
