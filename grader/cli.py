@@ -8,14 +8,6 @@
     onenode-grade release a1 --out DIR --course COURSE         # the student repository + nbgrader course
     onenode-grade export --course COURSE --results DIR --csv FILE   # grade sheet: parts + notebook
     onenode-grade leaderboard --cohort DIR --cohort DIR --out SITE  # the cohorts as a static page
-
-Exit status of `onenode-grade a1`, `a2` and `demo` (a score of 0 is a grade):
-    0  every submission graded
-    1  a submission could not be graded: each one's reason is printed below the table, whole, and
-       its results.json holds zeros with that reason (extra_data.not_graded, or grader_error)
-    2  usage error: an unknown option or profile, a --cohort folder that does not exist
-    3  grading stopped: the kit or this machine cannot grade (see the message); re-run once fixed,
-       graded submissions are kept
 """
 
 from __future__ import annotations
@@ -35,7 +27,14 @@ from .registry import ASSIGNMENTS
 from .rubric import KIT_ROOT
 
 EXIT_GRADED, EXIT_NOT_GRADED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
-EXIT_CODES = __doc__[__doc__.index("Exit status"):]
+EXIT_CODES = """Exit status of `onenode-grade a1`, `a2` and `demo` (a score of 0 is a grade):
+    0  every submission graded
+    1  a submission could not be graded: each one's reason is printed below the table, whole, and
+       its results.json holds zeros with that reason (extra_data.not_graded, or grader_error)
+    2  usage error: an unknown option or profile, a --cohort folder that does not exist
+    3  grading stopped: the kit or this machine cannot grade (see the message); re-run once fixed,
+       graded submissions are kept
+"""
 
 
 def _run_grading(assignment: Assignment, args) -> int:
@@ -190,7 +189,7 @@ def _add_leaderboard(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="onenode-grade", description=__doc__,
+    parser = argparse.ArgumentParser(prog="onenode-grade", description=__doc__, epilog=EXIT_CODES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_grading(sub)

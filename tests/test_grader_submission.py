@@ -273,7 +273,7 @@ def test_a_submission_that_could_not_be_graded_exits_1_with_its_reason_whole(tmp
 
 
 def test_the_grading_commands_help_lists_the_exit_codes(capsys):
-    for command in (["a1", "--help"], ["a2", "--help"], ["demo", "--help"]):
+    for command in (["--help"], ["a1", "--help"], ["a2", "--help"], ["demo", "--help"]):
         with pytest.raises(SystemExit):
             main(command)
         text = capsys.readouterr().out
