@@ -44,12 +44,14 @@ BENCH_ARGS = {"cuda": ["--preset", "a1-1gpu", "--seq-len", "4096", "--micro-batc
                        "--warmup", "1"],
               "cpu": ["--preset", "tiny", "--steps", "3", "--warmup", "1"]}
 # The A2 run: the tiny recipe, 10 steps of 4 x 32 tokens with a checkpoint after each (the grader
-# replays the first and the last span, and random ones within a tenth of the run's steps)
+# replays the first and the last span, and random ones within a tenth of the run's steps), trained
+# as graded runs are (`train.deterministic`: the GPU profiles replay no other run)
 A2_RECIPE = KIT_ROOT / "a2_pretrain" / "recipes" / "tiny.yaml"
 A2_STEPS = 10
 A2_RUN = {"train.seq_len": 32, "train.global_batch_size": 4, "train.micro_batch_size": 2,
           "train.token_budget": A2_STEPS * 4 * 32, "checkpoint.every_steps": 1, "checkpoint.keep_last": 0,
-          "eval.every_steps": 0, "log.every_steps": 1, "log.tensorboard": False, "log.progress_bar": False}
+          "eval.every_steps": 0, "log.every_steps": 1, "log.tensorboard": False, "log.progress_bar": False,
+          "train.deterministic": True}
 
 
 class Failed(Exception):
@@ -256,8 +258,9 @@ def a1_verdict(results: dict, folder: Path, profile: str) -> str:
     if missed:
         raise Failed(f"the reference solution lost points on {missed[0]}", f"read {feedback}")
     speed = [t for t in results["tests"] if t["name"].endswith("speed") and t["max_score"]]
-    return (f"reference scored {results['score']:g}/{results['extra_data']['max_score']:g} on {profile} "
-            f"(speed {sum(t['score'] for t in speed):g}/{sum(t['max_score'] for t in speed):g}): {feedback}")
+    return (f"reference scored {results['score']:g}/{results['extra_data']['max_score']:g} of the code parts on "
+            f"{profile} (speed {sum(t['score'] for t in speed):g}/{sum(t['max_score'] for t in speed):g}; the "
+            f"notebook is not graded here): {feedback}")
 
 
 def a2_profile(a1_profile: str, profiles: dict) -> str:

@@ -26,14 +26,24 @@ from .errors import GraderError
 from .registry import ASSIGNMENTS
 from .rubric import KIT_ROOT
 
+EXIT_GRADED, EXIT_NOT_GRADED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
+EXIT_CODES = """Exit status of `onenode-grade a1`, `a2` and `demo` (a score of 0 is a grade):
+    0  every submission graded
+    1  a submission could not be graded: each one's reason is printed below the table, whole, and
+       its results.json holds zeros with that reason (extra_data.not_graded, or grader_error)
+    2  usage error: an unknown option or profile, a --cohort folder that does not exist
+    3  grading stopped: the kit or this machine cannot grade (see the message); re-run once fixed,
+       graded submissions are kept
+"""
+
 
 def _run_grading(assignment: Assignment, args) -> int:
     """`onenode-grade NAME`: one submission or a cohort, in a private scratch folder."""
-    from .cohort import grade_cohort, grade_one, table
+    from .cohort import grade_cohort, grade_one, not_graded, not_graded_lines, table
     from .sandbox import make_private
 
     if (args.submission is None) == (args.cohort is None):
-        raise SystemExit(f"onenode-grade {assignment.name}: pass either one SUBMISSION or --cohort DIR")
+        raise ValueError(f"{assignment.name}: pass either one SUBMISSION or --cohort DIR")
     rubric = assignment.load_rubric(args.rubric)
     rubric.profile(args.profile)  # an unknown profile fails before anything is made
     workdir = make_private(tempfile.mkdtemp(prefix=f"onenode-grade-{assignment.name}-"))
@@ -43,20 +53,22 @@ def _run_grading(assignment: Assignment, args) -> int:
         job = assignment.new_job(rubric, args.profile, workdir, args)
         if args.cohort:
             results = grade_cohort(assignment, Path(args.cohort), job, out, force=args.force, progress=not args.quiet)
-            print(table(assignment, results))
-            print(f"{len(results)} submissions graded on {job.profile.name} (seed {job.seed}) in "
-                  f"{time.monotonic() - start:.0f} s: {out / 'cohort.csv'}")
+            where = out / "cohort.csv"
         else:
-            results = grade_one(assignment, Path(args.submission), job, out)
-            print(table(assignment, [results]))
-            print(f"graded on {job.profile.name} (seed {job.seed}) in {time.monotonic() - start:.0f} s: "
-                  f"{out / results['extra_data']['submission']}")
+            results = [grade_one(assignment, Path(args.submission), job, out)]
+            where = out / results[0]["extra_data"]["submission"]
     except GraderError as e:
-        print(f"onenode-grade: {e}", file=sys.stderr)
-        return 1
+        print(f"onenode-grade: grading stopped: {e}", file=sys.stderr)
+        return EXIT_STOPPED
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return 0
+    print(table(assignment, results))
+    graded = sum(not_graded(r) is None for r in results)
+    if graded < len(results):
+        print("Not graded (their zeros are not grades):\n" + "\n".join(not_graded_lines(results)))
+    print(f"{graded} of {len(results)} submissions graded on {job.profile.name} (seed {job.seed}) in "
+          f"{time.monotonic() - start:.0f} s: {where}")
+    return EXIT_GRADED if graded == len(results) else EXIT_NOT_GRADED
 
 
 def _run_demo(args) -> int:
@@ -89,7 +101,8 @@ def _grading_options(parser: argparse.ArgumentParser, assignment: Assignment, pr
 
 def _add_grading(sub) -> None:
     for assignment in ASSIGNMENTS.values():
-        parser = sub.add_parser(assignment.name, help=assignment.help)
+        parser = sub.add_parser(assignment.name, help=assignment.help, epilog=EXIT_CODES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
         parser.add_argument("submission", nargs="?", help=assignment.submission_help)
         parser.add_argument("--cohort", help="folder with one submission per entry")
         _grading_options(parser, assignment, None)
@@ -104,6 +117,7 @@ def _add_demo(sub) -> None:
         return
     demo = sub.add_parser("demo", help=f"build an example cohort and grade it (default: {demos[0].name})",
                           description="\n".join(f"{a.name}: {a.demo.help}" for a in demos),
+                          epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter,
                           conflict_handler="resolve")  # two assignments may add the same option
     demo.add_argument("assignment", nargs="?", choices=[a.name for a in demos], default=demos[0].name,
                       help=f"whose example cohort (default: {demos[0].name}); --profile defaults to its own")
@@ -175,7 +189,7 @@ def _add_leaderboard(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="onenode-grade", description=__doc__,
+    parser = argparse.ArgumentParser(prog="onenode-grade", description=__doc__, epilog=EXIT_CODES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_grading(sub)
@@ -191,13 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
-        return 2
+        return EXIT_USAGE
     try:
         return int(args.func(args) or 0)
     except (KeyError, FileNotFoundError, ValueError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"onenode-grade: {message}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -16,13 +16,14 @@ import math
 import os
 import shutil
 import tempfile
+import textwrap
 import time
 import traceback
 from pathlib import Path
 
 from .assignment import Assignment, Job
 from .errors import GraderError, SubmissionError
-from .report import environment, results_json, write_submission_results
+from .report import environment, one_traceback, results_json, student_paths, write_submission_results
 from .submission import ARCHIVE_SUFFIXES, submission_name
 
 PARTIAL = ".partial-"
@@ -72,6 +73,7 @@ def grade_one(assignment: Assignment, path: Path, job: Job, out: Path) -> dict:
         extra.update(numbers=_finite(graded.measurements), **graded.extra_data)
     except SubmissionError as e:
         tests, leaderboard, output = job.rubric.zero_tests(f"not graded: {e}"), [], f"Not graded: {e}"
+        extra["not_graded"] = str(e)
     except GraderError:
         raise
     except Exception as e:  # a grader bug must not cost the cohort: record it, re-grade on resume
@@ -81,7 +83,9 @@ def grade_one(assignment: Assignment, path: Path, job: Job, out: Path) -> dict:
         extra["grader_error"] = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    results = results_json(name, tests, leaderboard, time.monotonic() - start, output, extra)
+    tests = [dict(t, output=student_paths(t["output"])) for t in tests]
+    failures = {run: student_paths(one_traceback(text)) for run, text in failures.items()}
+    results = results_json(name, tests, leaderboard, time.monotonic() - start, student_paths(output), extra)
     write_submission_results(staging, results, failures, environment(job.profile, job.seed))
     publish(staging, out / name)
     return results
@@ -117,13 +121,24 @@ def grade_cohort(assignment: Assignment, cohort: Path, job: Job, out: Path, forc
     return results
 
 
+def not_graded(results: dict) -> str | None:
+    """Why a submission has no grade, in one line (None: it was graded, whatever it scored): its
+    intake refused it (`SubmissionError`), or the grader failed on it (a TA re-grades it)."""
+    extra = results["extra_data"]
+    if extra.get("grader_error"):
+        return results["output"]
+    return extra.get("not_graded")
+
+
 def cohort_rows(assignment: Assignment, results: list[dict]) -> list[dict]:
-    """One cohort.csv row per results.json: who, the score, the assignment's columns, a note."""
+    """One cohort.csv row per results.json: who, whether it was graded, the score, the
+    assignment's columns, a note."""
     rows = []
     for r in results:
         extra = r["extra_data"]
-        rows.append({"name": extra["submission"], "score": r["score"], "max_score": extra["max_score"],
-                     **assignment.csv_columns(r), "note": r["output"].splitlines()[0] if r["output"] else ""})
+        rows.append({"name": extra["submission"], "graded": not_graded(r) is None, "score": r["score"],
+                     "max_score": extra["max_score"], **assignment.csv_columns(r),
+                     "note": r["output"].splitlines()[0] if r["output"] else ""})
     return rows
 
 
@@ -145,4 +160,21 @@ def table(assignment: Assignment, results: list[dict]) -> str:
     """A plain-text table of a cohort for the terminal, columns padded to their widest cell."""
     lines = assignment.table(cohort_rows(assignment, results))
     widths = [max(len(cell) for cell in column) for column in zip(*lines)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in lines)
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def short_note(note: str, width: int = 60) -> str:
+    """A table cell's note: whole, or cut at a word with "…" (the whole one is in results.json)."""
+    return textwrap.shorten(note, width, placeholder=" …")
+
+
+def not_graded_lines(results: list[dict], width: int | None = None) -> list[str]:
+    """Each submission that has no grade and why, its reason whole, wrapped at words (a path or a
+    command stays on one line) to `width` (the terminal's)."""
+    width = width or shutil.get_terminal_size().columns
+    lines = []
+    for r in results:
+        if (reason := not_graded(r)) is not None:
+            lines += textwrap.wrap(f"{r['extra_data']['submission']}: {reason}", max(width, 40), initial_indent="  ",
+                                   subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
+    return lines

@@ -6,6 +6,7 @@ import html
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -51,6 +52,36 @@ def assignment_label(results: dict) -> str:
     """The label of the assignment a results.json belongs to ("A1", "A2"); results written
     before the grader recorded it are A1's."""
     return results["extra_data"].get("assignment", "A1")
+
+
+# The grader's paths in what a child printed: its scratch copy (the student's tree is its
+# starter_code/) and the virtual environment it ran in
+SCRATCH_PATH = re.compile(r"""[^\s"'(]*/onenode-scratch/[^/\s"']+/""")
+VENV_PATH = re.compile(r"""[^\s"'(]*/lib/(python3\.\d+)/site-packages/""")
+TRACEBACK = "Traceback (most recent call last):"
+CHAINED = ("During handling of the above exception, another exception occurred:",
+           "The above exception was the direct cause of the following exception:")
+
+
+def student_paths(text: str) -> str:
+    """`text` with paths as the student's tree has them: starter_code/onenode/... for the
+    grader's scratch copy, .venv/lib/python3.X/site-packages/... for its environment."""
+    return VENV_PATH.sub(r".venv/lib/\1/site-packages/", SCRATCH_PATH.sub("", text))
+
+
+def one_traceback(failure: str) -> str:
+    """A failure's error line(s) and one traceback from the log's tail after them: the one that
+    ends in that error (with the exceptions chained to it), else the last. A log of several ranks
+    holds one each, and its tail often starts inside one; a failure without a traceback stays whole."""
+    head, _, log = failure.partition("\n\n")
+    blocks = [block.strip("\n") for block in log.split(TRACEBACK)[1:]]
+    if not blocks:
+        return failure
+    last = max((i for i, block in enumerate(blocks) if block.splitlines()[-1].strip() in head), default=len(blocks) - 1)
+    first = last
+    while first > 0 and blocks[first - 1].splitlines()[-1].strip() in CHAINED:
+        first -= 1
+    return "\n\n".join([head, *(f"{TRACEBACK}\n{block}" for block in blocks[first:last + 1])])
 
 
 def feedback_markdown(results: dict, failures: dict[str, str]) -> str:

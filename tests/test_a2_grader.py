@@ -522,7 +522,7 @@ def test_grading_without_lm_eval_stops_before_any_run_with_what_to_install(tmp_p
                         lambda name, *a: None if name == "lm_eval" else find_spec(name, *a))
     for extra in ([], ["--verify-only"]):
         assert main(["a2", str(tmp_path / "never-read"), "--profile", "cpu-tiny", "--out", str(tmp_path / "out"),
-                     *extra]) == 1
+                     *extra]) == 3  # grading stopped: the machine cannot grade
         error = capsys.readouterr().err
         assert "needs lm-eval" in error and "pip install -e '.[eval]'" in error and len(error.splitlines()) == 1
     assert not (tmp_path / "out").exists()
@@ -549,9 +549,10 @@ def test_cli_gives_an_unreadable_submission_its_zero_and_reason(tmp_path, capsys
 
     (tmp_path / "cohort" / "empty-team").mkdir(parents=True)
     cohort, out = str(tmp_path / "cohort"), str(tmp_path / "out")
-    assert main(["a2", "--cohort", cohort, "--profile", "cpu-tiny", "--out", out]) == 0
+    assert main(["a2", "--cohort", cohort, "--profile", "cpu-tiny", "--out", out]) == 1  # not graded
     results = json.loads((tmp_path / "out" / "empty-team" / "results.json").read_text())
     assert results["score"] == 0 and "final/config.json" in results["output"]
+    assert f"empty-team: {results['extra_data']['not_graded']}" in " ".join(capsys.readouterr().out.split())
     assert results["extra_data"]["assignment"] == "A2"
     assert main(["a2", str(tmp_path), "--profile", "no-such", "--out", str(tmp_path / "out")]) == 2
     assert "unknown A2 profile 'no-such'" in capsys.readouterr().err

@@ -65,7 +65,28 @@ def test_csv_and_table(tmp_path):
         read = list(csv.DictReader(f))
     assert [r["name"] for r in read] == ["a", "b"] and read[0]["moe_score"] == "4"
     text = table(A1, rows)
-    assert text.splitlines()[1].startswith("a ") and "4/4" in text and "0/4" in text
+    header, a, b = (line.split() for line in text.splitlines())
+    assert header[:3] == ["submission", "score/4", "part1/4"] and a[:3] == ["a", "4", "4"] and b[:3] == ["b", "0", "0"]
+
+
+def test_the_table_has_a_notebook_column_and_each_maximum_in_its_header():
+    """The demo's starter-unchanged: 10 of 34, all of it the notebook's, which has its column; the
+    maximum of each column in its header where every graded row shares it, else in the cell."""
+    def graded(name, parts, notebook):
+        tests = [{"name": f"{part}", "score": got, "max_score": most, "tags": [part]}
+                 for part, (got, most) in zip(("moe", "ep", "pp"), parts)]
+        if notebook is not None:
+            tests.append({"name": "Report notebook: x", "score": notebook, "max_score": 10, "tags": ["notebook"]})
+        return results_json(name, tests, [], 1.0, "", {"profile": "cpu-tiny", "seed": 1, "numbers": {}})
+
+    starter, full = graded("starter", [(0, 10), (0, 7), (0, 7)], 10), graded("full", [(10, 10), (7, 7), (7, 7)], 10)
+    header, *rows = (line.split() for line in table(A1, [starter, full]).splitlines())
+    assert header[:6] == ["submission", "score/34", "part1/10", "part2/7", "part3/7", "notebook/10"]
+    assert rows == [["starter", "10", "0", "0", "0", "10", "-"], ["full", "34", "10", "7", "7", "10", "-"]]
+    without = graded("no-notebook", [(10, 10), (7, 7), (7, 7)], None)
+    header, *rows = (line.split() for line in table(A1, [starter, without]).splitlines())
+    assert header[1:6] == ["score", "part1/10", "part2/7", "part3/7", "notebook"]
+    assert rows[0][1] == "10/34" and rows[1][1] == "24/24" and rows[1][5] == "-"
 
 
 def test_the_table_shows_no_whole_step_speed_on_cpu_and_no_speed_of_a_zeroed_part():
@@ -137,7 +158,8 @@ def test_cohort_killed_midway_resumes_with_every_result_once(tmp_path):
     assert not (out / "cohort.csv").exists()
 
     second = subprocess.run(cmd + ["--seed", "2"], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert second.returncode == 0, second.stdout + second.stderr
+    assert second.returncode == 1, second.stdout + second.stderr  # d-nopatch has no grade
+    assert "d-nopatch: no submission.patch" in second.stdout
     assert not list(out.glob(".partial-*"))  # nothing half-written left
     graded = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
     assert graded == ["a-starter", "b-starter", "cohort.csv", "d-nopatch"]

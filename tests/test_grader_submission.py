@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import difflib
 import io
 import json
@@ -221,10 +222,11 @@ def test_archives(tmp_path):
 
 def test_cli_writes_a_zero_with_the_reason(tmp_path, capsys):
     folder = submission_folder(tmp_path, None, name="nopatch")
-    assert main(["a1", str(folder), "--profile", "cpu-tiny", "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    assert main(["a1", str(folder), "--profile", "cpu-tiny", "--out", str(tmp_path / "out"), "--quiet"]) == 1
     out = tmp_path / "out" / "nopatch"
     results = json.loads((out / "results.json").read_text())
     assert results["score"] == 0 and "no submission.patch" in results["output"]
+    assert results["extra_data"]["not_graded"] == results["output"].removeprefix("Not graded: ")
     assert all(t["score"] == 0 for t in results["tests"])
     assert {"feedback.md", "feedback.html", "env.json"} <= {p.name for p in out.iterdir()}
     assert "no submission.patch" in (out / "feedback.md").read_text()
@@ -235,3 +237,44 @@ def test_cli_rejects_an_unknown_profile(tmp_path, capsys):
     folder = submission_folder(tmp_path, "")
     assert main(["a1", str(folder), "--profile", "tpu-pod", "--out", str(tmp_path / "out")]) == 2
     assert "unknown profile 'tpu-pod'" in capsys.readouterr().err
+
+
+def test_a_submission_that_could_not_be_graded_exits_1_with_its_reason_whole(tmp_path, capsys, monkeypatch):
+    """A TA's script tells a zero from no grade: an empty folder, a patch of random text, an
+    archive that is not one, a path that does not exist each exit 1, the reason printed whole
+    (wrapped at words, never cut); a usage error exits 2."""
+    import shutil
+
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda *a: os.terminal_size((60, 24)))
+    cohort = tmp_path / "cohort"
+    cohort.mkdir()
+    (cohort / "empty-team").mkdir()
+    submission_folder(cohort, os.urandom(600).hex(), name="random-text")
+    (cohort / "not-an-archive.zip").write_bytes(b"not a zip at all")
+    args = ["--profile", "cpu-tiny", "--out", str(tmp_path / "out"), "--quiet", "--no-notebook"]
+    assert main(["a1", "--cohort", str(cohort), *args]) == 1
+    printed = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in printed.splitlines()[1:4]}
+    assert all(row.split()[1:6] == ["-"] * 5 and row.endswith("not graded (below)") for row in rows.values())
+    reasons = printed[printed.index("Not graded (their zeros are not grades):"):]
+    for name in ("empty-team", "random-text", "not-an-archive"):
+        reason = json.loads((tmp_path / "out" / name / "results.json").read_text())["extra_data"]["not_graded"]
+        assert " ".join(f"{name}: {reason}".split()) in " ".join(reasons.split()), reasons
+    wrapped = [line for line in reasons.splitlines() if line.startswith("  ")]
+    assert len(wrapped) > 3 and all(len(line) <= 60 or len(line.split()) == 1 for line in wrapped), reasons
+    assert printed.splitlines()[-1].startswith("0 of 3 submissions graded on cpu-tiny")
+    with open(tmp_path / "out" / "cohort.csv") as f:
+        assert {row["graded"] for row in csv.DictReader(f)} == {"False"}
+    assert main(["a1", str(tmp_path / "nonexistent"), *args]) == 1
+    assert f"nonexistent: {tmp_path / 'nonexistent'} does not exist" in " ".join(capsys.readouterr().out.split())
+    assert main(["a1", "--cohort", str(tmp_path / "nonexistent"), *args]) == 2
+    assert main(["a1", *args]) == 2
+    assert "pass either one SUBMISSION or --cohort DIR" in capsys.readouterr().err
+
+
+def test_the_grading_commands_help_lists_the_exit_codes(capsys):
+    for command in (["--help"], ["a1", "--help"], ["a2", "--help"], ["demo", "--help"]):
+        with pytest.raises(SystemExit):
+            main(command)
+        text = capsys.readouterr().out
+        assert "Exit status" in text and "1  a submission could not be graded" in text and "3  grading stopped" in text

@@ -115,7 +115,8 @@ def _results(**scores) -> dict:
 
 def test_a1_verdict_needs_every_correctness_point_not_every_speed_point(tmp_path):
     assert node_check.a1_verdict(_results(correctness=(4, 4), speed=(3, 6)), tmp_path, "cpu-tiny") == (
-        f"reference scored 7/10 on cpu-tiny (speed 3/6): {tmp_path / 'feedback.md'}")
+        f"reference scored 7/10 of the code parts on cpu-tiny (speed 3/6; the notebook is not graded here): "
+        f"{tmp_path / 'feedback.md'}")
     with pytest.raises(Failed) as e:
         node_check.a1_verdict(_results(correctness=(0, 4), speed=(6, 6)), tmp_path, "cpu-tiny")
     assert "lost points on Part 1: x: correctness" in e.value.detail and "feedback.md" in e.value.fix
@@ -139,10 +140,31 @@ def test_a_command_that_hangs_fails_with_its_log(tmp_path):
     assert "started" in (tmp_path / "hang.log").read_text() and str(tmp_path / "hang.log") in e.value.fix
 
 
+def test_the_a2_run_trains_as_every_profiles_replay_needs():
+    """The GPU profiles replay only runs trained with `train.deterministic` (`deterministic_runs`):
+    on one H200 (2026-12-03) the node check's own run lacked it, and its replay refused it."""
+    from grader.a2.rubric import load_rubric
+    from onenode.train.recipe import load_recipe
+
+    profiles = load_rubric().profiles.values()
+    assert any(profile.deterministic_runs for profile in profiles)
+    for device in ("cpu", "cuda"):
+        recipe = load_recipe(node_check.A2_RECIPE, {**node_check.A2_RUN, "train.device": device})
+        assert recipe.train.deterministic or not any(profile.deterministic_runs for profile in profiles)
+
+
 @pytest.mark.slow  # the bench of the patched tree and a short A2 run replayed: about a minute on 2 idle cores
-def test_the_cpu_items_pass_on_this_machine(tmp_path):
+def test_the_cpu_items_pass_on_this_machine(tmp_path, monkeypatch):
     """The real items a CPU machine runs, but the A1 grade (the demo and calibration tests grade
-    the reference on cpu-tiny) and the starter's bench (the same command on a pristine tree)."""
+    the reference on cpu-tiny) and the starter's bench (the same command on a pristine tree); the
+    A2 run replayed as the GPU profiles replay (only a run trained deterministically)."""
+    import dataclasses
+
+    import grader.a2.rubric
+
+    kit = grader.a2.rubric.load_rubric()
+    gpu_like = {name: dataclasses.replace(profile, deterministic_runs=True) for name, profile in kit.profiles.items()}
+    monkeypatch.setattr(grader.a2.rubric, "load_rubric", lambda *a: dataclasses.replace(kit, profiles=gpu_like))
     lines = []
     names = ("machine", "bubblewrap", "solution bench", "a2 train and replay")
     items = [item for item in node_check.ITEMS if item.name in names]

@@ -1,10 +1,11 @@
 """A1, a fast training stack: a patch to the starter, graded on the three slow paths it fixes.
 
 `job.py` runs the unpatched starter once as the job's reference, `scoring.py` grades each part
-of a submission against it (`compare.py`: the comparisons; `harness.py`: what runs in the
-sandboxed child), `rubric.py` reads `a1_infra/rubric.toml`, `tables.py` makes its rows, and
-`demo.py` builds the example cohort of `onenode-grade demo`. The handout students get is the
-unpatched starter with `a1_infra/`; the reference patch's own lines must not ship with it.
+of a submission against it (`compare.py`: the comparisons; `explain.py`: them in words for the
+feedback; `harness.py`: what runs in the sandboxed child), `rubric.py` reads
+`a1_infra/rubric.toml`, `tables.py` makes its rows, and `demo.py` builds the example cohort of
+`onenode-grade demo`. The handout students get is the unpatched starter with `a1_infra/`; the
+reference patch's own lines must not ship with it.
 """
 
 from __future__ import annotations

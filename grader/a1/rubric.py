@@ -25,6 +25,7 @@ class Part:
     correctness: float
     feature: float  # 0: the part has no feature check of its own (Part 1's is its layer's speed)
     speed: float
+    public_test: str = ""  # the handout's test file that shows the part's faults locally (a1_infra/tests/...)
 
     def tests(self, points: tuple[float, float, float], outputs: tuple[str, str, str]) -> list[dict]:
         """The part's Gradescope tests: correctness, feature (where it has one), speed; `points`
@@ -180,6 +181,7 @@ def load_rubric(path: str | Path = RUBRIC_PATH) -> A1Rubric:
     raw = read_toml(path)
     parts = {}
     for key, part in raw["parts"].items():
-        parts[key] = Part(key, part["title"], *(float(part.get(k, 0)) for k in ("correctness", "feature", "speed")))
+        parts[key] = Part(key, part["title"], *(float(part.get(k, 0)) for k in ("correctness", "feature", "speed")),
+                          public_test=part.get("public_test", ""))
     profiles = {name: A1Profile(name=name, **spec) for name, spec in raw["profiles"].items()}
     return A1Rubric(profiles, parts)

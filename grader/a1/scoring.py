@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from ..errors import GraderError
 from ..report import test_entry
 from ..runner import SessionResult, run_sessions
 from ..submission import Submission, load_submission, patched_tree
+from . import explain
 from .compare import (
     loss_error,
     moe_error,
@@ -47,6 +49,7 @@ class Context:
     leaderboard: list[dict] = field(default_factory=list)
     measurements: dict = field(default_factory=dict)
     records: dict = field(default_factory=dict)  # lists for results.json's extra_data (not leaderboard columns)
+    wrong: set[str] = field(default_factory=set)  # the parts found wrong so far: later layouts may run their code
 
     @property
     def failures(self) -> dict[str, str]:
@@ -62,8 +65,13 @@ def _not_on_profile(ctx: Context, part: Part, layout: str) -> None:
 def _part_tests(ctx: Context, part: Part, points: tuple[float, float, float],
                 outputs: tuple[str, str, str]) -> list[dict]:
     """The part's tests as the profile scores them: where it scores none of the part's speeds
-    (scored_speeds), the speed test is worth 0 and names no timing, whatever else happened."""
+    (scored_speeds), the speed test is worth 0 and names no timing, whatever else happened. A
+    correctness or feature test that fails names the public test that shows it locally."""
     profile = ctx.job.profile
+    if part.public_test:
+        reproduce = f". Reproduce it locally: `.venv/bin/python -m pytest {part.public_test} -q`."
+        outputs = (*(out.rstrip(".") + reproduce if got < most else out for out, got, most in
+                     zip(outputs[:2], points, (part.correctness, part.feature))), outputs[2])
     if profile.scores_speed_of(part.key):
         return part.tests(points, outputs)
     return [*dataclasses.replace(part, speed=0).tests(points, outputs),
@@ -76,7 +84,7 @@ def _award(ctx: Context, part: Part, correct: bool, fixed: bool, speed: float | 
     feature check shows the slow path gone, whatever the speed; the speed share only then (None:
     the profile scores no speed of the part)."""
     if not correct:
-        ctx.tests += _part_tests(ctx, part, (0, 0, 0), (f"wrong: {checked}; the part earns nothing until it matches",
+        ctx.tests += _part_tests(ctx, part, (0, 0, 0), (f"wrong: {checked}. The part earns nothing until it matches.",
                                                         f"zeroed (wrong results): {feature}",
                                                         f"zeroed (wrong results): {timing}"))
     elif not fixed:
@@ -110,8 +118,10 @@ def grade_moe(ctx: Context) -> None:
     if "moe_layer" in profile.scored_speeds:
         ctx.leaderboard.append({"name": "Part 1: MoE speedup", "value": round(layer, 2)})
     exact = " computed in float32" if ref.moe_exact is not ref.moe else ""
+    why = f"; {explain.moe_infinite(ref.moe_exact.digests, run.digests)}" if math.isinf(error) else ""
     checked = (f"outputs, input gradients and each expert's gradients on {len(run.digests)} grader-chosen inputs, "
-               f"against the starter's layer{exact}: worst relative error {error:.2g} (tolerance {profile.rtol:g})")
+               f"against the starter's layer{exact}: worst relative error {error:.2g} "
+               f"(tolerance {profile.rtol:g}{why})")
     timings = {"moe_layer": (
         f"one MoE layer, median of {len(run.seconds) - warmup} timed workloads of {profile.moe.get('iters', 1)} "
         f"forward+backward passes in turns with the starter: starter {starter_s * 1e3:.2f} ms, yours "
@@ -143,7 +153,10 @@ def grade_moe(ctx: Context) -> None:
     share = sum(shares.get(m) or 0.0 for m in scored) / len(scored) if scored else None
     timing = "; ".join(timings[m] for m in scored if m in timings)
     fixed = layer > profile.speed["moe_layer"][0]
-    _award(ctx, part, error <= profile.rtol and step_correct, fixed, share, checked, "", timing,
+    correct = error <= profile.rtol and step_correct
+    if not correct:
+        ctx.wrong.add("moe")
+    _award(ctx, part, correct, fixed, share, checked, "", timing,
            f"the MoE layer is not faster than the starter's ({layer:.2f}x; {profile.speed['moe_layer'][0]:g}x "
            "shows its slow path is gone)")
 
@@ -186,8 +199,29 @@ def _traffic(run: SessionResult, warmup: int) -> float:
 
 
 def _checked(run: SessionResult, error: float, rtol: float) -> str:
+    why = f"; {explain.LOSS_INFINITE}" if math.isinf(error) else ""
     return (f"loss and gradient norm over {len(run.digests)} optimizer steps vs the starter's on the same seeds: "
-            f"worst relative error {error:.2g} (tolerance {rtol:g})")
+            f"worst relative error {error:.2g} (tolerance {rtol:g}{why})")
+
+
+def _after_wrong_parts(ctx: Context, part: str, correct: bool, checked: str) -> str:
+    """A layout's correctness line; where it is wrong, the part is noted as wrong (for the parts
+    after it) and, where an earlier part whose code the layout runs is wrong too, why it cannot
+    match: every layout's model holds Part 1's MoE layer, and a pp layout with ep > 1 Part 2's
+    expert parallelism."""
+    if correct:
+        return checked
+    ctx.wrong.add(part)
+    ep = part != "ep" and ctx.job.profile.layouts[part].get("ep", 1) > 1
+    held = [f"{title} ({what})" for key, title, what, runs in (("moe", "Part 1", "the MoE layer", True),
+                                                             ("ep", "Part 2", "expert parallelism", ep))
+            if runs and key in ctx.wrong]
+    if not held:
+        return checked
+    which = " and ".join(held)
+    return (f"{checked}. This layout runs your code of {which} too, found wrong there: its losses cannot match the "
+            f"starter's until {'that part matches' if len(held) == 1 else 'those parts match'}, so fix "
+            f"{'it' if len(held) == 1 else 'them'} first")
 
 
 def _moments_checked(ctx: Context, ref: list[dict], digests: list[dict], key: str) -> tuple[bool, str]:
@@ -217,8 +251,14 @@ def _moments_checked(ctx: Context, ref: list[dict], digests: list[dict], key: st
     rtol = profile.moments_direction_rtol
     if rtol is not None and (direction := moments_direction_problem(ref, digests, rtol, profile.moments_reading)):
         line += f": {direction}"
-    return all(tolerance is None or error <= tolerance for error, tolerance in
-               ((moments, profile.moments_rtol), (directions, rtol))), line
+    ok = all(tolerance is None or error <= tolerance for error, tolerance in
+             ((moments, profile.moments_rtol), (directions, rtol)))
+    if math.isinf(moments) or math.isinf(directions):
+        line += f" ({explain.INFINITE})"
+    if not ok and (words := explain.moments_in_words(worst_moments(ref, digests, sys.maxsize,
+                                                                  profile.moments_reading))):
+        line += f". In words: {words}"
+    return ok, line
 
 
 def grade_ep(ctx: Context) -> None:
@@ -262,8 +302,9 @@ def grade_ep(ctx: Context) -> None:
     ) if failed]
     moments_ok, moments_line = _moments_checked(ctx, ref.ep.digests, run.digests, "ep_moments")
     speedup, timing = _step_numbers(ctx, run, ref.ep, "ep")
-    _award(ctx, part, error <= profile.train_rtol and moments_ok, not missing,
-           profile.speed_share("ep_step", speedup), f"{_checked(run, error, profile.train_rtol)}; {moments_line}",
+    correct = error <= profile.train_rtol and moments_ok
+    _award(ctx, part, correct, not missing, profile.speed_share("ep_step", speedup),
+           _after_wrong_parts(ctx, "ep", correct, f"{_checked(run, error, profile.train_rtol)}; {moments_line}"),
            feature, timing, "; ".join(missing))
 
 
@@ -300,8 +341,10 @@ def grade_pp(ctx: Context) -> None:
         feature += f"; {line}"
     moments_ok, moments_line = _moments_checked(ctx, one_rank.digests, run.digests, "pp_moments")
     speedup, timing = _step_numbers(ctx, run, one_rank, "pp")
-    _award(ctx, part, error <= profile.train_rtol and moments_ok, fixed, profile.speed_share("pp_step", speedup),
-           f"{_checked(run, error, profile.train_rtol)}; {moments_line}", feature, timing,
+    correct = error <= profile.train_rtol and moments_ok
+    _award(ctx, part, correct, fixed, profile.speed_share("pp_step", speedup),
+           _after_wrong_parts(ctx, "pp", correct, f"{_checked(run, error, profile.train_rtol)}; {moments_line}"),
+           feature, timing,
            "the traffic between the ranks or the memory each holds is not a pipeline's (activations between "
            "stages, each stage's weights on its own ranks)")
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from ..cohort import short_note
 from ..leaderboard import Entry, number, plot_profile, save_figure
 from .rubric import SPEED_MEASUREMENTS, load_rubric
 
 PARTS = ("moe", "ep", "pp")
+# The scored columns of cohort.csv and the table beside the score: the parts, then the notebook
+COLUMNS = {"moe": "part1", "ep": "part2", "pp": "part3", "notebook": "notebook"}
 # The layouts whose whole step scoring.py times against the starter's in the same job, and their names
 LAYOUTS = {"reference": "reference", "ep": "EP", "pp": "PP"}
 # The rubric's name of each layout's whole-step speed
@@ -55,28 +58,54 @@ def _speed_key(key: str) -> str | None:
     return next((STEP_MEASUREMENTS[layout] for layout in LAYOUTS if key.startswith(f"{layout}_")), None)
 
 
+def part_max(results: dict, part: str) -> float | None:
+    """A part's maximum, or None where the job does not grade it."""
+    return sum(t["max_score"] for t in results["tests"] if part in t["tags"]) or None
+
+
 def csv_columns(results: dict) -> dict:
-    """Each part's score (blank where the profile does not grade it), the measurements (a speed
-    only where it is `shown`: every raw figure stays in results.json), the profile and seed of the job."""
+    """Each part's and the notebook's score and maximum (blank where the job does not grade it:
+    a profile without the part's layout, --no-notebook), the measurements (a speed only where it is
+    `shown`: every raw figure stays in results.json), the profile and seed of the job."""
     extra = results["extra_data"]
-    scores = {part: part_score(results, part) for part in PARTS}
-    row = {f"{part}_score": "" if score is None else score for part, score in scores.items()}
+    row = {}
+    for part in COLUMNS:
+        score, most = part_score(results, part), part_max(results, part)
+        row.update({f"{part}_score": "" if score is None else score, f"{part}_max": "" if most is None else most})
     for key in CSV_NUMBERS:
         value = number(results, key) if _speed_key(key) is None else shown(results, _speed_key(key), key)
         row[key] = round(value, 3) if value is not None else ""
     return {**row, "profile": extra["profile"], "seed": extra["seed"]}
 
 
+def _maximum(rows: list[dict], key: str) -> float | str | None:
+    """The maximum every graded row shares under `key` (None: they differ; "": none grades it)."""
+    maxima = {row[key] for row in rows if row["graded"]}
+    return maxima.pop() if len(maxima) == 1 else None
+
+
 def table(rows: list[dict]) -> list[list[str]]:
-    """The terminal table; the whole step's tokens/s only where some row shows it (never on CPU)."""
+    """The terminal table: the score, each part's and the notebook's, with the maximum in the
+    header where every graded row has the same (else in each cell); the whole step's tokens/s only
+    where some row shows it (never on CPU). A submission that was not graded shows "-" (its
+    reason is printed below the table)."""
     step = any(row["reference_tokens_per_s"] != "" for row in rows)
-    header = ["submission", "score", "part1", "part2", "part3", "moe x", *(["step tok/s"] * step), "note"]
-    return [header] + [[row["name"], f"{row['score']:g}/{row['max_score']:g}",
-                        *(f"{row[f'{p}_score']:g}" if row[f"{p}_score"] != "" else "-" for p in PARTS),
+    scores = {"score": ("score", "max_score"), **{part: (name, f"{part}_max") for part, name in COLUMNS.items()}}
+    maxima = {column: _maximum(rows, most) for column, (_, most) in scores.items()}
+    header = ["submission", *(f"{name}/{maxima[column]:g}" if maxima[column] else name
+                              for column, (name, _) in scores.items()), "moe x", *(["step tok/s"] * step), "note"]
+
+    def cell(row: dict, column: str) -> str:
+        got, most = row["score" if column == "score" else f"{column}_score"], row[scores[column][1]]
+        if not row["graded"] or got == "":
+            return "-"
+        return f"{got:g}" if most == maxima[column] else f"{got:g}/{most:g}"
+
+    return [header] + [[row["name"], *(cell(row, column) for column in scores),
                         f"{row['moe_speedup']}" if row["moe_speedup"] != "" else "-",
                         *([f"{row['reference_tokens_per_s']:.0f}" if row["reference_tokens_per_s"] != "" else "-"]
                           * step),
-                        row["note"][:60]] for row in rows]
+                        short_note(row["note"]) if row["graded"] else "not graded (below)"] for row in rows]
 
 
 # -- the leaderboard ---------------------------------------------------------------------------
