@@ -40,3 +40,16 @@ def test_a_submission_without_evidence_is_one_line(tmp_path, capsys):
     assert main([str(tmp_path), "refused", "--starter-logs", str(JOB / "starter-logs")]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "no evidence.json in" in error and "onenode-grade a1" in error
+
+
+def test_another_jobs_starter_is_refused(tmp_path, capsys):
+    """A starter run on other seeds (a later job in the same --out) would make every comparison
+    wrong: the submission's own reading of the starter's MoE layer shows it, and rescore refuses."""
+    import gzip
+    import json
+
+    kept = json.loads(gzip.decompress((JOB / "starter-logs" / "evidence.json.gz").read_bytes()))
+    kept["moe"]["digests"] = kept["moe"]["digests"][1:] + kept["moe"]["digests"][:1]  # other inputs' answers
+    (tmp_path / "evidence.json").write_text(json.dumps(kept))
+    assert main([str(JOB), "reference-full", "--starter-logs", str(tmp_path)]) == 2
+    assert "another grading job's starter" in capsys.readouterr().err

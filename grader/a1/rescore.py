@@ -11,6 +11,11 @@ it, included), and the starter's own sessions in `OUT/.starter-logs/evidence.jso
 recorded them and as they come out now, with the grader's words. The report notebook is not
 re-scored. So a disputed grade is re-examined on what was measured, and a tolerance or a speed
 range is re-set on the same readings, without a GPU.
+
+A later job graded into the same --out (a resumed or a forced one) runs the starter again on its
+own seed and replaces `.starter-logs/evidence.json`: the submission's own reading of the starter's
+MoE layer (same seeds as the starter's evidence, so the same outputs) tells, and such a starter is
+refused.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 
 from ..runner import EVIDENCE, SessionResult
 from . import STARTER_LOGS
+from .compare import moe_error
 from .job import A1Job, Reference
 from .rubric import RUBRIC_PATH, A1Rubric, load_rubric
 from .scoring import Context, grade_ep, grade_moe, grade_pp, grade_steps
@@ -49,9 +55,16 @@ def rescore(results: Path, name: str, rubric: A1Rubric, starter_logs: Path | Non
     submission `name` in the job folder `results`, on the profile it was graded on."""
     recorded = json.loads((results / name / "results.json").read_text(encoding="utf-8"))
     extra = recorded["extra_data"]
-    starter = read_evidence(starter_logs or results / STARTER_LOGS)
+    starter_logs = starter_logs or results / STARTER_LOGS
+    starter = read_evidence(starter_logs)
     runs = read_evidence(results / name / "logs")
-    job = A1Job(rubric, rubric.profile(extra["profile"]), extra["seed"], results, results / STARTER_LOGS)
+    profile = rubric.profile(extra["profile"])
+    beside = runs.get("moe-starter")  # the starter's MoE on the job's seeds, timed in turns with the submission
+    if beside is not None and beside.digests and moe_error(starter["moe"].digests, beside.digests) > profile.rtol:
+        raise ValueError(f"{starter_logs} holds another grading job's starter than the one {name} was graded beside "
+                         f"(seed {extra['seed']}): a later job in the same --out replaced it; pass the job's own "
+                         "copy with --starter-logs")
+    job = A1Job(rubric, profile, extra["seed"], results, starter_logs)
     job._reference = Reference(tree=Path(), moe=starter["moe"], moe_exact=starter.get("moe-exact", starter["moe"]),
                                train=starter["reference"], ep=starter.get("ep"), moe_weights=Path(),
                                model_weights=Path(), pp_train=starter.get("pp-reference"))
@@ -71,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         recorded, ctx = rescore(args.results, args.name, load_rubric(args.rubric), args.starter_logs)
-    except (FileNotFoundError, KeyError) as e:
+    except (FileNotFoundError, KeyError, ValueError) as e:
         print(f"rescore: {e}", file=sys.stderr)
         return 2
     before = {t["name"]: t["score"] for t in recorded["tests"]}
