@@ -215,3 +215,30 @@ def test_step_probes_run_bench_with_one_setting_changed(tmp_path):
     refused = subprocess.run([sys.executable, str(script), "compile-mode", "--", *bench_options],
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "compile-mode needs --mode" in refused.stderr.splitlines()[-1]
+
+
+def test_every_row_and_column_of_the_output_is_explained_in_help():
+    """Each row `onenode bench` prints (a record with every optional row: a profile, a measured
+    ceiling) and each column of its top-kernels table is one `onenode bench --help` explains, and
+    the help explains no row the table does not print."""
+    from onenode.bench.record import TABLE_ROWS, TOP_KERNEL_COLUMNS, format_table
+    from onenode.cli import build_parser
+    from onenode.profiling import format_top_kernels
+
+    results = dict.fromkeys(("tokens_per_s", "tokens_per_s_per_gpu", "step_time_median_s", "step_time_min_s",
+                             "step_time_max_s", "step_time_stdev_s", "matmul_flops_per_token", "other_flops_per_token",
+                             "mfu", "peak_tflops", "achieved_tflops_per_gpu", "ceiling_tflops", "mfu_vs_ceiling",
+                             "peak_memory_gib", "compute_share", "comm_share", "exposed_comm_share", "idle_share",
+                             "kernels_per_step", "mean_kernel_s"), 1.0)
+    record = {"preset": "tiny", "impl": "onenode", "steps": {"measured": 2, "profiled": 1},
+              "layout": {"micro_batch": 1, "seq_len": 32, "world_size": 1, "dp": 1, "ep": 1, "pp": 1,
+                         "activation_checkpointing": False, "compile": "off", "dtype": "fp32"},
+              "results": {**results, "memory_kind": "cpu_max_rss", "step_split": {"window_s": 1.0}},
+              "env": {"device_type": "cpu"}, "kernel_mix": {"matmul": 1.0}}
+    printed = [line.split("  ")[0] for line in format_table(record).splitlines()]
+    assert printed == list(TABLE_ROWS), f"the table prints rows {printed}, the help explains {list(TABLE_ROWS)}"
+    columns = [c.strip() for c in format_top_kernels([]).split("  ") if c.strip()]
+    assert columns == list(TOP_KERNEL_COLUMNS), f"the top kernels' columns are {columns}"
+    help_text = " ".join(build_parser("bench")._subparsers._group_actions[0].choices["bench"].format_help().split())
+    for name, meaning in {**TABLE_ROWS, **TOP_KERNEL_COLUMNS}.items():
+        assert f"{name} {' '.join(meaning.split()[:6])}" in help_text, f"`onenode bench --help` lacks {name!r}"

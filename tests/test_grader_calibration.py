@@ -132,3 +132,18 @@ def test_pipeline_memory_is_refused_where_the_grader_cannot_read_it():
     for name in ("h200x2", "cpu-8proc"):
         with pytest.raises(ValueError, match=f"profile {name}: pipeline_memory"):
             dataclasses.replace(rubric.profile(name), pipeline_memory=memory)
+
+
+@needs_solutions
+@pytest.mark.slow
+@pytest.mark.dist
+def test_every_grade_comes_back_from_the_evidence_the_job_kept(graded):
+    """`grader.a1.rescore` on each graded submission: the points of every part (the traffic and
+    memory readings of Parts 2 and 3 included) recomputed from `logs/evidence.json` alone."""
+    from grader.a1.rescore import rescore
+
+    results, _, out, _ = graded
+    rubric = load_rubric()
+    for name in results:
+        recorded, ctx = rescore(out / "results", name, rubric, out / "starter-logs")
+        assert [t["score"] for t in ctx.tests] == [t["score"] for t in recorded["tests"]], name

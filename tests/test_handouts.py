@@ -287,6 +287,10 @@ def test_linked_figures_match_their_records(doc):
             value = _at(_load(record_path), m.group("key"))
         except (KeyError, IndexError, ValueError) as e:
             raise AssertionError(f"{doc}: {m.group('path')} has no key {m.group('key')!r} ({e!r})") from None
+        if isinstance(value, bool):  # a record's yes/no fact (`verified`): the text says it
+            assert m.group("text").lower() == str(value).lower(), (
+                f"{doc}: [{m.group('text')}] but {m.group('path')} has {m.group('key')} = {value}")
+            continue
         assert matches(m.group("text"), float(value)), (
             f"{doc}: [{m.group('text')}] but {m.group('path')} has {m.group('key')} = {value}")
 

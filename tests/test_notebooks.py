@@ -154,3 +154,44 @@ def test_a_failed_nbgrader_step_is_one_line_that_names_it():
         notebook.nbgrader_api(notebook._template("a1"), "autograde", "a1", "nobody")
     message = str(failed.value)
     assert "\n" not in message and message.startswith("nbgrader autograde a1 nobody failed in "), message
+
+
+RECORDS = ROOT / "benchmarks" / "results"
+
+
+def _record_value(path: str, key: str) -> float:
+    import json
+
+    value = json.loads((ROOT / path).read_text())
+    for part in key.split("."):
+        value = value[part]
+    return float(value)
+
+
+def test_the_notebooks_figures_are_their_records():
+    """Each measured figure a report notebook gives students names the record it comes from, and is
+    that record's value: the A1 starter's tokens/s (the one the A1 handout quotes), the A2 per-GPU rate
+    (the one-H200 deterministic rate that `replay_tokens_per_s` of the A2 rubric is eight times)."""
+    from grader.rubric import read_toml
+
+    a1 = nbformat.read(SOURCES["a1"], as_version=4)
+    config = by_grade_id(a1)["mfu_config"].source
+    source, key = "benchmarks/results/2026-12-01-h200-fast-stack/starter.json", "results.tokens_per_s"
+    assert f"{source}\n# \"{key}\"" in config, "the A1 notebook's MEASURED_TOKENS_PER_S must name its record"
+    _, tokens_per_s = _a1_config()
+    assert tokens_per_s == round(_record_value(source, key)), f"MEASURED_TOKENS_PER_S is not {source}'s {key}"
+    assert f"[{tokens_per_s:,}](../benchmarks/results/2026-12-01-h200-fast-stack/starter.json \"{key}\")" in (
+        ROOT / "a1_infra/README.md").read_text(), "the A1 handout quotes another starter figure than the notebook"
+
+    a2 = nbformat.read(SOURCES["a2"], as_version=4)
+    question = by_grade_id(a2)["budget_intro"].source
+    source, key = "benchmarks/results/2026-12-02-h200-a2-verification/honest.json", \
+        "cost.deterministic.throughput.tokens_per_s"
+    per_gpu = round(_record_value(source, key))
+    assert f"{per_gpu:,} tokens/s per GPU" in question and f"`{source}`" in question and f"`{key}`" in question
+    h100x8 = read_toml(ROOT / "a2_pretrain/rubric.toml")["profiles"]["h100x8"]
+    assert f"{h100x8['replay_minutes']} minutes at {h100x8['replay_tokens_per_s']:,} tokens/s" in " ".join(
+        question.split()), "the A2 notebook's replay figures are not the h100x8 profile's"
+    assert round(8 * _record_value(source, key)) == h100x8["replay_tokens_per_s"]
+    hidden = by_grade_id(a2)["test_budget"].source
+    assert f"{per_gpu:_}" in hidden, "the A2 hidden test checks another per-GPU rate than the question gives"

@@ -301,3 +301,19 @@ def test_fsdp_two_processes_match_one(tmp_path, optimizer):
     assert losses == losses_1
     assert losses == pytest.approx(single, rel=1e-5)
     assert manifest["tokens_seen"] == manifest["data_tokens_served"] == _small().train.token_budget
+
+
+def test_every_field_of_the_log_line_is_explained_in_help():
+    """Each field of the line `onenode train` prints for a logged step (a record with every field)
+    is one `onenode train --help` explains, in the order printed, and the help explains no other."""
+    from onenode.cli import build_parser
+    from onenode.train.logging import LOG_FIELDS
+
+    record = {"step": 3, "tokens": 96, "loss": 5.0, "val_loss": 5.1, "lr": 1e-3, "grad_norm": 1.2,
+              "tokens_per_s": 40.0, "mfu": 0.1, "load_cv": 0.2}
+    printed = [field.split()[0] for field in Trainer._log_line(record, 10, 1.0).split(" | ")]
+    assert printed == list(LOG_FIELDS), f"the line prints {printed}, the help explains {list(LOG_FIELDS)}"
+    parser = build_parser("train")._subparsers._group_actions[0].choices["train"]
+    help_text = " ".join(parser.format_help().split())
+    for name, (_, meaning) in LOG_FIELDS.items():
+        assert f"{name} {' '.join(meaning.split()[:6])}" in help_text, f"`onenode train --help` lacks {name!r}"

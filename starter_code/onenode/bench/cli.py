@@ -14,12 +14,13 @@ from ..model.config import PRESETS
 from ..profiling import format_top_kernels
 from . import measure
 from .device import is_main_process
-from .record import format_table, json_safe
+from .record import format_table, json_safe, output_help
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="time training steps of a preset: tokens/s, MFU, memory",
-                              description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=bench.__doc__, epilog=output_help(),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", metavar="FILE", default=None,
                    help="a training recipe (a2_pretrain/recipes/): its model, batch, layout and precision; "
                         "the options below change its fields")

@@ -3,8 +3,60 @@
 from __future__ import annotations
 
 import math
+import textwrap
 
 RECORD_VERSION = 1
+
+# What each row of the table (`format_table`) and each column of the top-kernels table says:
+# `onenode bench --help` prints them, so that no word of the output goes unexplained.
+TABLE_ROWS = {
+    "model": "the preset and whose model it is (onenode, or transformers' NemotronHForCausalLM with the same "
+             "weights), sequences x tokens each data-parallel rank trains per step",
+    "layout": "processes (world) and how they split: dp data-parallel replicas, ep expert-parallel ranks (inside "
+              "dp), pp pipeline stages; AC on/off: activation checkpointing (on: each layer's activations are "
+              "recomputed in the backward pass instead of kept); compile: torch.compile per layer (off, mixers, "
+              "blocks), + CUDA graphs; the precision the layers compute in",
+    "tokens/s": "tokens of one step, over every data-parallel rank, / the median step time; per GPU: divided by "
+                "the processes",
+    "step time": "one optimizer step, timed between two device synchronisations: median, min, max and standard "
+                 "deviation over the measured steps (the warm-up steps are not measured)",
+    "FLOPs/token": "tensor-core (matmul) FLOPs per token, forward + backward, from onenode.flops (causal "
+                   "attention counted half); other: CUDA-core work (the scan's elementwise part, norms, "
+                   "activations), left out of MFU",
+    "MFU": "model FLOPs utilisation: FLOPs/token x tokens/s per GPU / the peak (--peak: the dense bf16 peak of "
+           "an H100 or H200); in brackets the FLOP/s each GPU achieved",
+    "vs ceiling": "(--measure-ceiling) the same FLOP/s against a large bf16 matmul timed in this process",
+    "peak memory": "the most memory one rank held: torch.cuda.max_memory_allocated on a GPU (cuda_max_allocated), "
+                   "the process's peak resident memory on a CPU (cpu_max_rss)",
+    "time split": "(--profile, or several processes) shares of the profiled steps' wall time: compute kernels; "
+                  "collective kernels (NCCL; gloo on a CPU); exposed: collective time no compute overlapped; "
+                  "idle: time no kernel ran (on a GPU: the host was behind, or waiting on a sync)",
+    "launches": "(with the time split) kernels (CPU: ops) per step and their mean self time; thousands of a few "
+                "microseconds each make a step launch-bound",
+    "kernel mix": "(with the time split) each kind's share of all kernel (CPU: op) self time: matmul, attention, "
+                  "compiled (torch.compile's fused kernels), optimizer, copy, communication, other",
+}
+TOP_KERNEL_COLUMNS = {
+    "self time": "time in the kernel (CPU: op) itself, not in what it calls, over the profiled window",
+    "share": "that time's share of all kernel (CPU: op) self time in the window",
+    "calls": "how many times it ran in the window (--profile-steps steps)",
+    "kernel": "its name (CPU: the aten op)",
+}
+
+
+def output_help() -> str:
+    """What `onenode bench` prints, row by row: the epilog of its `--help`."""
+    def section(title: str, entries: dict[str, str]) -> list[str]:
+        width = max(map(len, entries)) + 2
+        lines = [title]
+        for name, meaning in entries.items():
+            wrapped = textwrap.wrap(meaning, 96 - width)
+            lines += [f"  {name:<{width}}{wrapped[0]}", *(" " * (width + 2) + rest for rest in wrapped[1:])]
+        return lines
+
+    return "\n".join(["while it runs, the progress bar shows each step's loss and tokens/s (tok_s), warm-up included",
+                      ""] + section("then it prints, row by row:", TABLE_ROWS) + [""]
+                     + section("the top-kernels table (--profile), column by column:", TOP_KERNEL_COLUMNS))
 
 
 def json_safe(value):

@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from .checkpoint import CheckpointError
+from .logging import log_help
 from .recipe import RecipeError, load_recipe, parse_override
 
 
@@ -27,7 +28,8 @@ def overrides_from(args: argparse.Namespace) -> dict:
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("train", help="train a model from a recipe to its token budget",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=__doc__, epilog=log_help(),
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", help="recipe YAML (see a2_pretrain/recipes/)")
     parser.add_argument("--out", default=None, help="run folder (default: runs/<recipe name>)")
     add_recipe_arguments(parser)

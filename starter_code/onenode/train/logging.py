@@ -13,6 +13,42 @@ from pathlib import Path
 
 import torch
 
+# The fields of the line `onenode train` prints for each logged step (when no progress bar shows),
+# in order, with their format and what they are: `onenode train --help` prints them.
+LOG_FIELDS = {
+    "step": (None, "optimizer steps done / steps the token budget allows"),
+    "tokens": (None, "tokens trained so far (every data-parallel rank's), the count the budget is charged"),
+    "loss": (".4f", "this step's training loss (cross entropy, nats per token), averaged over the ranks"),
+    "val_loss": (".4f", "(every eval.every_steps) the mean loss on eval.batches held-out batches"),
+    "lr": (".2e", "this step's learning rate, as the recipe's schedule sets it"),
+    "grad_norm": (".3f", "the gradient's global norm, before clipping to train.grad_clip"),
+    "tokens_per_s": (",.0f", "tokens trained per second since the previous logged step"),
+    "mfu": (".1%", "(on GPUs) model FLOPs utilisation of that rate: matmul FLOPs against the dense bf16 peak"),
+    "load_cv": (".3f", "(MoE models) how unevenly the routers spread this step's tokens over their experts: the "
+                       "standard deviation of the tokens each expert got over their mean (the coefficient of "
+                       "variation), averaged over the MoE layers; 0 is perfect balance (the routers' biases move "
+                       "to lower it at moe.bias_update_rate)"),
+    "eta": (None, "time left to the end of the run at the run's mean step time so far (h:mm:ss)"),
+}
+
+
+
+def log_help() -> str:
+    """What `onenode train` prints, field by field: the epilog of its `--help`."""
+    import textwrap
+
+    width = max(map(len, LOG_FIELDS)) + 2
+    lines = ["each logged step's line, field by field (every log.every_steps steps; printed where no progress bar",
+             "shows, i.e. stderr is not a terminal or log.progress_bar is false; metrics.jsonl keeps the same fields):"]
+    for name, (_, meaning) in LOG_FIELDS.items():
+        wrapped = textwrap.wrap(meaning, 96 - width)
+        lines += [f"  {name:<{width}}{wrapped[0]}", *(" " * (width + 2) + rest for rest in wrapped[1:])]
+    lines += ["", "at the end: the status (finished, or stopped by --stop-after), steps, tokens of the budget, "
+                  "the last train and",
+              "val loss; then the throughput: the median tokens/s (and MFU) of the logged intervals, the first "
+              "(warm-up) left out."]
+    return "\n".join(lines)
+
 
 class MetricsLog:
     """Appends one JSON object per record to `metrics.jsonl`; mirrors scalars to TensorBoard."""

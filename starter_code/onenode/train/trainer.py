@@ -45,7 +45,7 @@ from .checkpoint import (
     weights_sha256,
     write_json,
 )
-from .logging import MetricsLog, environment, git_commit, read_metrics
+from .logging import LOG_FIELDS, MetricsLog, environment, git_commit, read_metrics
 from .plots import plot_loss_curves
 from .recipe import Recipe, RecipeError
 from .schedule import lr_factor, set_lr
@@ -284,9 +284,8 @@ class Trainer:
     @staticmethod
     def _log_line(record: dict, end_step: int, seconds_per_step: float) -> str:
         parts = [f"step {record['step']}/{end_step}", f"tokens {record['tokens']:,}"]
-        for key, fmt in (("loss", ".4f"), ("val_loss", ".4f"), ("lr", ".2e"), ("grad_norm", ".3f"),
-                         ("tokens_per_s", ",.0f"), ("mfu", ".1%"), ("load_cv", ".3f")):
-            if record.get(key) is not None:
+        for key, (fmt, _) in LOG_FIELDS.items():
+            if fmt is not None and record.get(key) is not None:
                 parts.append(f"{key} {record[key]:{fmt}}")
         eta = seconds_per_step * (end_step - record["step"])
         parts.append(f"eta {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}")
