@@ -53,3 +53,24 @@ def test_another_jobs_starter_is_refused(tmp_path, capsys):
     (tmp_path / "evidence.json").write_text(json.dumps(kept))
     assert main([str(JOB), "reference-full", "--starter-logs", str(tmp_path)]) == 2
     assert "another grading job's starter" in capsys.readouterr().err
+
+
+def test_each_job_keeps_its_starter_in_a_folder_of_its_seed(tmp_path):
+    """`onenode-grade a1` keeps the starter's logs under OUT/.starter-logs/seed-SEED: a second job in
+    the same OUT (its own seed) leaves the first one's, and `rescore` finds a grade's by its seed."""
+    import argparse
+    import shutil
+
+    from grader.a1 import job_from_args, starter_logs
+
+    rubric = load_rubric()
+    jobs = [job_from_args(rubric, "cpu-tiny", tmp_path / "work", argparse.Namespace(out=str(tmp_path), seed=seed,
+                                                                                      no_notebook=True))
+            for seed in (3, 5)]
+    assert [job.starter_logs for job in jobs] == [tmp_path / ".starter-logs" / "seed-3",
+                                                  tmp_path / ".starter-logs" / "seed-5"]
+    shutil.copytree(JOB / "reference-full", tmp_path / "reference-full")
+    seed = rescore(JOB, "reference-full", rubric, JOB / "starter-logs")[0]["extra_data"]["seed"]
+    shutil.copytree(JOB / "starter-logs", starter_logs(tmp_path, seed))
+    recorded, ctx = rescore(tmp_path, "reference-full", rubric)  # no --starter-logs: found by the seed
+    assert sum(t["score"] for t in ctx.tests) == recorded["score"]

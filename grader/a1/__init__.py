@@ -11,6 +11,7 @@ reference patch's own lines must not ship with it.
 from __future__ import annotations
 
 import argparse
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,7 +24,13 @@ from .job import A1Job, new_job
 from .rubric import RUBRIC_PATH, A1Rubric, load_rubric
 from .scoring import grade
 
-STARTER_LOGS = ".starter-logs"  # in OUT: the logs of the starter's reference runs
+STARTER_LOGS = ".starter-logs"  # in OUT: the logs of the starter's reference runs, a folder per job seed
+
+
+def starter_logs(out: Path, seed: int) -> Path:
+    """Where a job of `seed` keeps its starter's logs and evidence in OUT: one folder per seed, so a
+    later job in the same OUT (its own seed) leaves the one each earlier grade was compared with."""
+    return out / STARTER_LOGS / f"seed-{seed}"
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
@@ -31,8 +38,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def job_from_args(rubric: A1Rubric, profile: str, workdir: Path, args: argparse.Namespace) -> A1Job:
-    """The job of `onenode-grade a1`: the starter's logs in OUT/.starter-logs."""
-    return new_job(rubric, profile, workdir, Path(args.out) / STARTER_LOGS, seed=args.seed,
+    """The job of `onenode-grade a1`: the starter's logs in OUT/.starter-logs/seed-SEED."""
+    seed = secrets.randbelow(2**31) if args.seed is None else args.seed
+    return new_job(rubric, profile, workdir, starter_logs(Path(args.out), seed), seed=seed,
                    notebooks=not args.no_notebook)
 
 
