@@ -159,7 +159,7 @@ def automodel_nemotron_h(config, backend: dict, device: torch.device, dtype: tor
     if weights is not None:
         adapter = model.state_dict_adapter
         per_expert = {key: tensor.shape for key, tensor in adapter.to_hf(model.state_dict()).items()}
-        model.load_state_dict(adapter.from_hf(hf_io._convert(weights, per_expert)), strict=True)
+        model.load_state_dict(adapter.from_hf(hf_io.convert_layout(weights, per_expert)), strict=True)
     return model
 
 

@@ -167,7 +167,8 @@ def test_cuda_graphs_compile_every_block_to_replay(monkeypatch):
                         modes.append(mode if options is None else tuple(sorted(options.items()))) or fn)
     model = build_model(get_preset("tiny"), seed=0)
     layers.prepare_layers(model, compile="blocks", compile_mode="reduce-overhead")
-    graphs = tuple(sorted({"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}.items()))
+    graphs = tuple(sorted({"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True,
+                           "graph_partition": False}.items()))
     assert modes == [graphs] * len(model.backbone.layers)
     modes.clear()
     layers.prepare_layers(build_model(get_preset("tiny"), seed=0), compile="blocks")

@@ -33,7 +33,7 @@ def _with_prefix(key: str, prefix: str) -> str:
     return key
 
 
-def _convert(state_dict: dict[str, torch.Tensor], target: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+def convert_layout(state_dict: dict[str, torch.Tensor], target: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     """`state_dict` in any known layout -> exactly the keys and shapes of `target`.
 
     Experts are stacked or unstacked only where source and target differ, so loading a layout
@@ -95,7 +95,7 @@ def _convert(state_dict: dict[str, torch.Tensor], target: dict[str, torch.Size])
 
 def adapt_state_dict(state_dict: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Any NemotronH layout -> the keys, expert layout and shapes of `model.state_dict()`."""
-    return _convert(state_dict, {k: v.shape for k, v in model.state_dict().items()})
+    return convert_layout(state_dict, {k: v.shape for k, v in model.state_dict().items()})
 
 
 def layout_of(model: torch.nn.Module, layout: str) -> dict[str, torch.Size]:
@@ -188,7 +188,7 @@ def save_pretrained(model: torch.nn.Module, path: str | Path) -> Path:
     """config.json + model.safetensors in the transformers-native layout, which
     `transformers.AutoModelForCausalLM.from_pretrained(path)` loads (same logits)."""
     path = Path(path)
-    tensors = _convert(model.state_dict(), _transformers_layout(model))
+    tensors = convert_layout(model.state_dict(), _transformers_layout(model))
     _write(path, model.config, tensors, model.lm_head.weight.dtype)
     return path
 
@@ -198,6 +198,6 @@ def write_layout(config: NemotronHConfig, state_dict: dict[str, torch.Tensor], t
     """Write `state_dict` converted to the keys and shapes of `target` (a model's layout) as a folder."""
     if config.tie_word_embeddings:
         target.pop("lm_head.weight", None)
-    tensors = _convert(state_dict, target)
+    tensors = convert_layout(state_dict, target)
     _write(Path(dst), config, tensors, next(iter(tensors.values())).dtype)
     return Path(dst)
