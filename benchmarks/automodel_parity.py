@@ -35,7 +35,7 @@ import torch  # noqa: E402
 KIT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(KIT_ROOT / "starter_code"))
 sys.path.insert(0, str(KIT_ROOT / "benchmarks"))
-from automodel_peer import automodel_nemotron_h, load_mamba_ssm_kernels, stand_in_causal_conv1d  # noqa: E402
+from automodel_peer import automodel_nemotron_h, mamba_kernels_or_exit  # noqa: E402
 
 # Both kinds of hybrid layout (Mamba first, attention first with a dense MLP), on the tiny preset and
 # on one with wider Mamba heads; sequences of several scan chunks.
@@ -105,12 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                          "pip install --no-deps nemo-automodel==0.7.0") from None
     convolution = None
     if not args.cpu:
-        convolution = stand_in_causal_conv1d()
-        try:
-            load_mamba_ssm_kernels()
-        except ImportError as e:
-            raise SystemExit(f"automodel_parity.py: mamba_ssm's Triton kernels are missing ({e}): install them "
-                             "with `make mamba-ssm`") from None
+        convolution = mamba_kernels_or_exit("automodel_parity.py")
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     device = torch.device("cpu" if args.cpu else "cuda")
     configs = CPU_CONFIGS if args.cpu else CONFIGS

@@ -140,6 +140,18 @@ def load_mamba_ssm_kernels() -> None:
         import_skipping_package_init(module)
 
 
+
+def mamba_kernels_or_exit(script: str) -> str:
+    """mamba_ssm's Triton kernels loaded, with causal-conv1d's convolution stood in where that package
+    is absent; which convolution runs. One line naming `script` where the kernels are missing."""
+    convolution = stand_in_causal_conv1d()
+    try:
+        load_mamba_ssm_kernels()
+    except ImportError as e:
+        raise SystemExit(f"{script}: mamba_ssm's Triton kernels are missing ({e}): install them with "
+                         "`make mamba-ssm`") from None
+    return convolution
+
 def automodel_nemotron_h(config, backend: dict, device: torch.device, dtype: torch.dtype,
                          weights: dict[str, torch.Tensor] | None = None):
     """Automodel's NemotronV3 for the kit's `config`, built on `device` with `backend` (BackendConfig
@@ -218,12 +230,7 @@ def run(args) -> dict:
         if device.type != "cuda":
             raise SystemExit("automodel_peer.py: Automodel's Mamba layers run mamba_ssm's Triton kernels: run on a "
                              "GPU, or a layout without Mamba layers (--set model.overrides.pattern=...)")
-        convolution = stand_in_causal_conv1d()
-        try:
-            load_mamba_ssm_kernels()
-        except ImportError as e:
-            raise SystemExit(f"automodel_peer.py: mamba_ssm's Triton kernels are missing ({e}): install them with "
-                             "`make mamba-ssm`") from None
+        convolution = mamba_kernels_or_exit("automodel_peer.py")
         mamba = f"mamba_ssm {_versions(['mamba-ssm']).get('mamba-ssm', '?')}: Triton mamba_split_conv1d_scan_combined"
 
     torch.manual_seed(recipe.seed)  # as `assemble` builds the bench's model
