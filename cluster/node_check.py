@@ -244,7 +244,7 @@ def check_a1_grade(node: Node) -> str:
     path = out / "a1" / "results.json"
     if done.returncode != 0 or not path.is_file():
         raise Failed(f"onenode-grade a1 failed: {_last_line(done.stderr + done.stdout)}",
-                     f"see {node.out / 'a1-grade.log'} and {out / '.starter-logs'}")
+                     f"see {node.out / 'a1-grade.log'} and {out / '.starter-logs' / 'seed-1'}")
     return a1_verdict(json.loads(path.read_text()), out / "a1", node.profile)
 
 
