@@ -98,6 +98,7 @@ def limits_for(profile: Profile, world: int, sessions: int, max_file_mb: int) ->
         nproc=512 + 256 * world,  # threads count: torch, gloo and NCCL start many per rank
         fsize_mb=max_file_mb,
         cpus=child_cpus(profile, world),
+        user_namespaces=True,  # each rank closes its own as it confines itself (grader/a1/confine.py)
     )
 
 

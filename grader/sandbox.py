@@ -102,6 +102,8 @@ class Limits:
     ``cpu_s`` is per process; ``nproc`` counts threads too (torch starts one per core).
     ``fsize_mb`` also sizes the private /tmp and /dev/shm (tmpfs, in memory).
     ``cpus``: the CPUs the child runs on, and (with a cgroup, `cpu_cgroup_parent`) its CPU quota.
+    ``user_namespaces``: the child may create user namespaces, for a child whose every process
+    that runs untrusted code first closes its own (the A1 harness's ranks: grader/a1/confine.py).
     """
 
     wall_s: float = 600.0
@@ -113,6 +115,7 @@ class Limits:
     output_kb: int = 256
     network: bool = False
     cpus: tuple[int, ...] | None = None
+    user_namespaces: bool = False
 
     def __post_init__(self) -> None:
         for name in ("wall_s", "cpu_s", "memory_mb", "nproc", "nofile", "fsize_mb", "output_kb"):
@@ -303,11 +306,12 @@ def _warn_about_gaps() -> None:
 # ----------------------------------------------------------------------------- the child's file system
 
 
-def _namespace_args(network: bool) -> list[str]:
+def _namespace_args(network: bool, user_namespaces: bool = False) -> list[str]:
     """bwrap's namespaces. As root, bwrap keeps only what it needs to enter the scratch (owned by
     the leased uid, 0700) and setpriv needs to drop to that uid, after which none is left;
     otherwise bwrap runs in a user namespace of its own, and the child may not create another
-    (there it could hide processes and traffic from the grader's counters)."""
+    (there it could hide processes and traffic from the grader's counters) unless
+    ``user_namespaces`` (`Limits.user_namespaces`)."""
     args = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
             "--new-session"]
     if not network:
@@ -317,7 +321,7 @@ def _namespace_args(network: bool) -> list[str]:
         for cap in ("CAP_DAC_READ_SEARCH", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"):
             args += ["--cap-add", cap]
     else:
-        args += ["--unshare-user", "--disable-userns"]
+        args += ["--unshare-user", *([] if user_namespaces else ["--disable-userns"])]
     return args
 
 
@@ -411,19 +415,20 @@ def _bwrap_argv(*, scratch: Path, cwd: Path, readable: Sequence[Path], limits: L
     for path in readable:
         tree.bind("--ro-bind", str(path))
     tree.bind("--bind", str(scratch))
-    return [shutil.which(BWRAP), *_namespace_args(limits.network), "--json-status-fd", str(status_fd), *tree.args,
+    namespaces = _namespace_args(limits.network, limits.user_namespaces)
+    return [shutil.which(BWRAP), *namespaces, "--json-status-fd", str(status_fd), *tree.args,
             "--chdir", str(cwd), "--"]
 
 
-def _as_uid(uid: int, sandboxed: bool) -> list[str]:
+def _as_uid(uid: int, sandboxed: bool, user_namespaces: bool = False) -> list[str]:
     """What root runs before the command (inside the sandbox, bwrap does): setpriv becomes ``uid``
     for good (no groups, no capabilities, not even in the bounding set); then in the sandbox, where
     the kernel lets users create user namespaces, a second bwrap as that uid enters one that may
     create no other, so the child cannot rearrange its mounts or hide processes and traffic in
-    namespaces of its own."""
+    namespaces of its own (unless ``user_namespaces``: then the child closes them itself)."""
     args = [shutil.which(SETPRIV), f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
             "--bounding-set=-all", "--pdeathsig=KILL", "--"]
-    if sandboxed and _user_namespaces_closable():
+    if sandboxed and not user_namespaces and _user_namespaces_closable():
         args += [shutil.which(BWRAP), "--unshare-user", "--disable-userns", "--dev-bind", "/", "/", "--"]
     return args
 
@@ -725,7 +730,7 @@ class SandboxedProcess:
             if self._lease:
                 _chown_tree(scratch, self._lease.uid, self._lease.uid)
                 scratch.chmod(0o700)
-                command = _as_uid(self._lease.uid, self.filesystem_isolated) + command
+                command = _as_uid(self._lease.uid, self.filesystem_isolated, limits.user_namespaces) + command
             if self.filesystem_isolated:
                 self._status_fd, status_w = os.pipe()
                 command = _bwrap_argv(scratch=scratch, cwd=cwd, readable=readable, limits=limits,

@@ -537,3 +537,75 @@ def test_a_failed_starter_fails_every_submission_with_its_error_and_runs_once(tm
         with pytest.raises(GraderError, match="moe session failed"):
             _ = job.reference
     assert calls == [1]
+
+
+# -- the ranks of a child share nothing but the counted network ----------------------------------
+# A submission whose ranks try every shared place of their sandbox: rank 1 leaves something in
+# each (a file in /tmp, /dev/shm, the scratch folder and its own folder; a System V segment, a
+# POSIX queue, a kernel key, an abstract socket), then rank 0, told rank 1's pid and folder through
+# a counted collective, looks for each and reads rank 1's memory. Rank 0 answers what it found.
+RANKS_PROBE = textwrap.dedent("""
+    import ctypes, json, os, socket, time
+    import torch.distributed as dist
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    KEY, NAME = 0x4F4E, b"/onenode-rank-1"
+    def places(folder):
+        return {"tmp": "/tmp/left", "shm": "/dev/shm/left", "scratch": os.path.join(os.getcwd(), "left"),
+                "own": os.path.join(folder, "left")}
+    rank = dist.get_rank()
+    if rank == 1:
+        made = {}
+        for name, path in places(os.environ["TMPDIR"]).items():
+            try:
+                open(path, "w").write("rank 1 was here")
+                made[name] = True
+            except OSError:
+                made[name] = False
+        made["sysv"] = libc.shmget(KEY, 4096, 0o1666) >= 0
+        made["mqueue"] = libc.mq_open(NAME, os.O_CREAT | os.O_RDWR, 0o666, None) >= 0
+        made["key"] = libc.syscall(248 if os.uname().machine == "x86_64" else 217, b"user", b"onenode", b"x",
+                                   ctypes.c_size_t(1), ctypes.c_int(-4)) >= 0
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind("\\0onenode-rank-1")
+        listener.listen()
+    else:
+        made = None
+    told = [None, None]
+    dist.all_gather_object(told, (os.getpid(), os.environ["TMPDIR"], made))
+    if rank == 1:
+        time.sleep(5)  # rank 0's answer comes first
+        raise RuntimeError("rank 1 done")
+    pid, folder, made = told[1]
+    seen = {name: os.path.exists(path) for name, path in places(folder).items()}
+    seen["sysv"] = libc.shmget(KEY, 0, 0) >= 0
+    seen["mqueue"] = libc.mq_open(NAME, os.O_RDONLY, 0, None) >= 0
+    seen["key"] = libc.syscall(250 if os.uname().machine == "x86_64" else 219, 0, ctypes.c_int(-4), 0, 0) > 0
+    try:
+        socket.socket(socket.AF_UNIX).connect("\\0onenode-rank-1")
+        seen["socket"] = True
+    except OSError:
+        seen["socket"] = False
+    try:
+        with open(f"/proc/{pid}/mem", "rb") as mem:
+            seen["mem"] = True
+    except OSError:
+        seen["mem"] = False
+    raise RuntimeError("PROBE " + json.dumps({"made": made, "seen": seen}))
+""")
+
+
+@SANDBOXED
+def test_ranks_of_a_child_reach_nothing_of_each_other_but_the_counted_network(tmp_path):
+    from grader.a1.job import COLLECTIVES, CONFINE, HARNESS
+
+    tree = _tree(tmp_path)
+    (tree / "starter_code" / "onenode").mkdir()
+    (tree / "starter_code" / "onenode" / "__init__.py").write_text(RANKS_PROBE)
+    profile = load_rubric().profile("cpu-tiny")
+    session = Session("probe", {"kind": "train", "layout": {"world": 2}}, [1], world=2)
+    run = run_sessions(Harness(HARNESS, (COLLECTIVES, CONFINE)), tree, profile, [session], tmp_path / "logs")["probe"]
+    assert run.error and "PROBE " in run.error, (run.error, run.log_tail)
+    found = json.loads(run.error.split("PROBE ", 1)[1])
+    assert found["made"]["own"], found  # rank 1 did leave something in its own folder...
+    assert not any(found["seen"].values()), found  # ...and rank 0 reached none of it
