@@ -543,7 +543,8 @@ def test_a_failed_starter_fails_every_submission_with_its_error_and_runs_once(tm
 # A submission whose ranks try every shared place of their sandbox: rank 1 leaves something in
 # each (a file in /tmp, /dev/shm, the scratch folder and its own folder; a System V segment, a
 # POSIX queue, a kernel key, an abstract socket), then rank 0, told rank 1's pid and folder through
-# a counted collective, looks for each and reads rank 1's memory. Rank 0 answers what it found.
+# a counted collective, looks for each, reads rank 1's memory and tries to leave its own
+# namespaces. Rank 0 answers what it found.
 RANKS_PROBE = textwrap.dedent("""
     import ctypes, json, os, socket, time
     import torch.distributed as dist
@@ -591,6 +592,8 @@ RANKS_PROBE = textwrap.dedent("""
             seen["mem"] = True
     except OSError:
         seen["mem"] = False
+    # nor can it undo its confinement: no namespace of its own (to remount), no user namespace
+    seen["unshare"] = any(libc.unshare(flag) == 0 for flag in (0x10000000, 0x00020000))
     raise RuntimeError("PROBE " + json.dumps({"made": made, "seen": seen}))
 """)
 
