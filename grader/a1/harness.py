@@ -664,7 +664,8 @@ def _rank_main(config: dict, rank: int, store: str, ranks_dir: str, conn) -> Non
         own = confine_rank(rank, ranks_dir, cuda=config["device"] == "cuda")
     except ConfineError as e:
         while conn.recv() is not None:  # the submission never runs unconfined
-            _send(conn, {"error": f"the grader cannot isolate the ranks here: {e}"})
+            _send(conn, {"error": f"the grader cannot isolate the ranks here ({e}): grade on Linux 6.12 or later "
+                                  "with unprivileged user namespaces allowed (docs/SECURITY.md)"})
         return
     counter = CollectiveCounter()
     import torch
