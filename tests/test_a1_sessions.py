@@ -543,10 +543,10 @@ def test_a_failed_starter_fails_every_submission_with_its_error_and_runs_once(tm
 # A submission whose ranks try every shared place of their sandbox: rank 1 leaves something in
 # each (a file in /tmp, /dev/shm, the scratch folder and its own folder; a System V segment, a
 # POSIX queue, a kernel key, an abstract socket), then rank 0, told rank 1's pid and folder through
-# a counted collective, looks for each, reads rank 1's memory and tries to leave its own
+# a counted collective, looks for each, writes to its netlink socket, reads rank 1's memory and tries to leave its own
 # namespaces. Rank 0 answers what it found.
 RANKS_PROBE = textwrap.dedent("""
-    import ctypes, json, os, socket, time
+    import ctypes, json, os, socket, subprocess, time
     import torch.distributed as dist
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -570,6 +570,12 @@ RANKS_PROBE = textwrap.dedent("""
         listener = socket.socket(socket.AF_UNIX)
         listener.bind("\\0onenode-rank-1")
         listener.listen()
+        try:
+            netlink = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 2)  # NETLINK_USERSOCK
+            netlink.bind((0, 0))
+            made["netlink"] = netlink.getsockname()[0]
+        except OSError:
+            made["netlink"] = None
     else:
         made = None
     told = [None, None]
@@ -588,12 +594,18 @@ RANKS_PROBE = textwrap.dedent("""
     except OSError:
         seen["socket"] = False
     try:
+        sender = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 2)
+        sender.sendto(b"\\x15\\0\\0\\0\\x10\\0\\0\\0" + bytes(13), (made["netlink"] or 1, 0))
+        seen["netlink"] = True
+    except OSError:
+        seen["netlink"] = False
+    try:
         with open(f"/proc/{pid}/mem", "rb") as mem:
             seen["mem"] = True
     except OSError:
         seen["mem"] = False
     # nor can it undo its confinement: no namespace of its own (to remount), no user namespace
-    seen["unshare"] = any(libc.unshare(flag) == 0 for flag in (0x10000000, 0x00020000))
+    seen["unshare"] = subprocess.run(["unshare", "--user", "--map-root-user", "true"]).returncode == 0
     raise RuntimeError("PROBE " + json.dumps({"made": made, "seen": seen}))
 """)
 

@@ -50,13 +50,14 @@ _EXECUTE, _WRITE_FILE, _READ_FILE, _READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
 _READ = _READ_FILE | _READ_DIR
 
-# seccomp: (AUDIT_ARCH, system calls refused with EPERM); any other architecture's calls are refused.
+# seccomp: (AUDIT_ARCH, socket(2), system calls refused with EPERM); other architectures' calls are refused.
 _SECCOMP = {
-    "x86_64": (0xC000003E, {"shmget": 29, "semget": 64, "msgget": 68, "mq_open": 240, "add_key": 248,
-                            "request_key": 249, "keyctl": 250}),
-    "aarch64": (0xC00000B7, {"mq_open": 180, "msgget": 186, "semget": 190, "shmget": 194, "add_key": 217,
-                             "request_key": 218, "keyctl": 219}),
+    "x86_64": (0xC000003E, 41, {"shmget": 29, "semget": 64, "msgget": 68, "mq_open": 240, "add_key": 248,
+                                "request_key": 249, "keyctl": 250}),
+    "aarch64": (0xC00000B7, 198, {"mq_open": 180, "msgget": 186, "semget": 190, "shmget": 194, "add_key": 217,
+                                  "request_key": 218, "keyctl": 219}),
 }
+_AF_NETLINK, _NETLINK_ROUTE = 16, 0  # NETLINK_USERSOCK lets any two processes of a network namespace talk
 _X32_BIT = 0x40000000
 _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
 _EPERM = 1
@@ -172,20 +173,26 @@ def _landlock() -> None:
 
 
 def _seccomp() -> None:
-    """A BPF filter refusing `_SECCOMP`'s system calls (EPERM) and every call of a foreign ABI."""
+    """A BPF filter refusing (EPERM) `_SECCOMP`'s system calls, netlink sockets but NETLINK_ROUTE's
+    (interface addresses, for gloo), and every call of a foreign ABI."""
     machine = platform.machine()
-    arch, calls = _SECCOMP[machine]
+    arch, socket_call, calls = _SECCOMP[machine]
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
-    allow, deny = 0x7FFF0000, 0x00050000 | _EPERM  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
-    numbers = sorted(calls.values())
-    program = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny), (ld, 0, 0, 0)]
+    nr, arch_at, arg0, arg2 = 0, 4, 16, 32  # offsets in struct seccomp_data (the low half of an argument)
+    # (code, jump if true, jump if false, k): a jump names its target ("allow", "deny") or goes to the next
+    program = [(ld, None, None, arch_at), (jeq, None, "deny", arch), (ld, None, None, nr)]
     if machine == "x86_64":
-        program.append((jge, 1 + len(numbers), 0, _X32_BIT))  # x32 calls: to the deny below
-    for i, number in enumerate(numbers):
-        program.append((jeq, len(numbers) - i, 0, number))
-    program += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
-    filters = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *op) for op in program))
-    fprog = struct.pack("@HP", len(program), ctypes.addressof(filters))  # struct sock_fprog
+        program.append((jge, "deny", None, _X32_BIT))  # x32 calls
+    program += [(jeq, "deny", None, number) for number in sorted(calls.values())]
+    program += [(jeq, None, "allow", socket_call), (ld, None, None, arg0), (jeq, None, "allow", _AF_NETLINK),
+                (ld, None, None, arg2), (jeq, "allow", "deny", _NETLINK_ROUTE)]
+    targets = {"allow": len(program), "deny": len(program) + 1}
+    code = [struct.pack("=HBBI", op, targets.get(jt, i + 1) - i - 1, targets.get(jf, i + 1) - i - 1, k)
+            for i, (op, jt, jf, k) in enumerate(program)]
+    code += [struct.pack("=HBBI", ret, 0, 0, 0x7FFF0000),  # allow: SECCOMP_RET_ALLOW
+             struct.pack("=HBBI", ret, 0, 0, 0x00050000 | _EPERM)]  # deny: SECCOMP_RET_ERRNO
+    filters = ctypes.create_string_buffer(b"".join(code))
+    fprog = struct.pack("@HP", len(code), ctypes.addressof(filters))  # struct sock_fprog
     libc = _libc()
     _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     _check(libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0), "seccomp")
