@@ -14,7 +14,8 @@ submission (`confine_rank`):
 - Landlock (ABI 6, Linux 6.12): it reads no other process's /proc entries, traces or reads the
   memory (/proc/<pid>/mem) of no process outside its own domain (the other ranks', the
   harness's), connects to no abstract unix socket and signals no process outside it.
-- seccomp: no kernel key (the session keyring is shared) and no System V or POSIX IPC object.
+- seccomp: no kernel key (the session keyring is shared), no System V or POSIX IPC object, no
+  netlink socket but NETLINK_ROUTE's (NETLINK_USERSOCK passes messages within a network namespace).
 
 Left to the ranks: the network namespace (TCP and UDP on its loopback, which the grader counts)
 and their pipes to the harness (which reads JSON only and passes nothing from one rank to
