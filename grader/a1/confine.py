@@ -17,6 +17,11 @@ submission (`confine_rank`):
 - seccomp: no kernel key (the session keyring is shared), no System V or POSIX IPC object, no
   netlink socket but NETLINK_ROUTE's (NETLINK_USERSOCK passes messages within a network namespace).
 
+Where the machine lacks a part (the sandbox's children may open no user namespace; Landlock below
+ABI 6), the grader records it in env.json and warns (`grader.sandbox.rank_isolation`), and each
+rank applies the others; with ONENODE_REQUIRE_SANDBOX=1 the grader refuses such a child instead.
+A child of one rank has no other to shut it off from: it applies none.
+
 Left to the ranks: the network namespace (TCP and UDP on its loopback, which the grader counts)
 and their pipes to the harness (which reads JSON only and passes nothing from one rank to
 another). On GPUs, NCCL would share /dev/shm (its SHM transport) and pass CUDA memory handles
@@ -199,11 +204,14 @@ def _seccomp() -> None:
     _check(libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0), "seccomp")
 
 
-def confine_rank(rank: int, ranks_dir: str, cuda: bool, shm_mb: int | None = None) -> str:
+def confine_rank(rank: int, ranks_dir: str, cuda: bool, namespaces: bool = True, landlock: bool = True,
+                 shm_mb: int | None = None) -> str:
     """Give this process (rank `rank`, single-threaded, before it imports the submission) a folder
     of its own under `ranks_dir`, point HOME, TMPDIR and the caches there, and shut it off from the
-    other ranks and the harness for good. Returns the folder. Raises ConfineError where the
-    kernel cannot (the rank must then not run the submission)."""
+    other ranks and the harness for good: by its namespaces and Landlock where the grader found
+    the machine has them (`grader.sandbox.rank_isolation`, which records and warns of a missing
+    one), and seccomp always. Returns the folder. Raises ConfineError where the kernel refuses a
+    part (the rank must then not run the submission)."""
     if platform.machine() not in _SECCOMP:
         raise ConfineError(f"the ranks' isolation knows x86_64 and aarch64, not {platform.machine()}")
     own = os.path.join(ranks_dir, str(rank))
@@ -217,10 +225,12 @@ def confine_rank(rank: int, ranks_dir: str, cuda: bool, shm_mb: int | None = Non
     os.environ["TMPDIR"] = os.path.join(own, "tmp")
     os.makedirs(os.environ["TMPDIR"], exist_ok=True)
     os.environ.update(NCCL_ENV if cuda else {})
-    try:
-        _namespaces(own, ranks_dir, shm_mb)
-    except OSError as e:
-        raise ConfineError(f"{e}") from e
-    _landlock()
+    if namespaces:
+        try:
+            _namespaces(own, ranks_dir, shm_mb)
+        except OSError as e:
+            raise ConfineError(f"{e}") from e
+    if landlock:
+        _landlock()
     _seccomp()
     return own

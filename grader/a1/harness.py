@@ -7,7 +7,8 @@ Everything it says is untrusted: the parent only compares the numbers it returns
 unpatched starter's, run through this same harness.
 
 Protocol, one JSON object per line. The parent first sends the child's setup (`world`,
-`threads`, `device`, `tree`); the harness starts `world` ranks (it never imports torch itself).
+`threads`, `device`, `tree`, and `confine`: the parts of `confine.py` each rank applies, None for
+a single rank); the harness starts `world` ranks (it never imports torch itself).
 Then sessions, one after another: `{"session": spec}` is answered `{"ready": info}` or
 `{"error": ...}`; for each workload the parent starts its clock, sends `{"seed": s}`, and stops
 the clock on the answer `{"digest": ...}`: the inputs exist only from that moment. A training
@@ -657,16 +658,18 @@ def _send(conn, reply: dict) -> None:
 
 
 def _rank_main(config: dict, rank: int, store: str, ranks_dir: str, conn) -> None:
-    """One rank: shuts itself off from the other ranks (`confine.py`), then builds the sessions it
-    is sent and answers each seed. It meets the others through a TCP store on the sandbox's
-    loopback, where the grader counts every byte."""
-    try:
-        own = confine_rank(rank, ranks_dir, cuda=config["device"] == "cuda")
-    except ConfineError as e:
-        while conn.recv() is not None:  # the submission never runs unconfined
-            _send(conn, {"error": f"the grader cannot isolate the ranks here ({e}): grade on Linux 6.12 or later "
-                                  "with unprivileged user namespaces allowed (docs/SECURITY.md)"})
-        return
+    """One rank: shuts itself off from the other ranks (`confine.py`, the parts `config["confine"]`
+    names), then builds the sessions it is sent and answers each seed. It meets the others through
+    a TCP store on the sandbox's loopback, where the grader counts every byte."""
+    own = None  # a single rank (no `confine`) shares its child with no other
+    if config["confine"] is not None:
+        try:
+            own = confine_rank(rank, ranks_dir, cuda=config["device"] == "cuda", **config["confine"])
+        except ConfineError as e:
+            while conn.recv() is not None:  # the submission never runs less confined than the grader recorded
+                _send(conn, {"error": f"the grader cannot isolate the ranks here ({e}): grade on Linux 6.12 or "
+                                      "later with unprivileged user namespaces allowed (docs/SECURITY.md)"})
+            return
     counter = CollectiveCounter()
     import torch
     import torch.distributed as dist
@@ -690,7 +693,7 @@ def _rank_main(config: dict, rank: int, store: str, ranks_dir: str, conn) -> Non
                     _send(conn, {"released": True})
                     continue
                 spec = msg["session"]
-                if spec.get("weights_out"):  # written in its own folder: the harness moves it out
+                if spec.get("weights_out") and own:  # written in its own folder: the harness moves it out
                     spec = {**spec, "weights_out": os.path.join(own, spec["weights_out"])}
                 _check_onenode(config["tree"])
                 session = MoeSession(spec) if spec["kind"] == "moe" else TrainSession(spec, rank, counter)
