@@ -6,6 +6,7 @@ the red-team cases (tests/redteam/a1_sessions.py) run the same rules through the
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -18,10 +19,11 @@ import pytest
 import torch
 from torch import nn
 
-from grader import runner
+from grader import runner, sandbox
 from grader.a1.job import A1Job
 from grader.a1.rubric import load_rubric
 from grader.errors import GraderError
+from grader.report import environment
 from grader.runner import Harness, Session, SessionResult, run_sessions
 from grader.sandbox import capabilities
 
@@ -610,8 +612,16 @@ RANKS_PROBE = textwrap.dedent("""
 """)
 
 
-@SANDBOXED
-def test_ranks_of_a_child_reach_nothing_of_each_other_but_the_counted_network(tmp_path):
+# where the machine lacks a part of the ranks' isolation (grader.sandbox.rank_isolation), what of
+# the probe's channels that part alone closes
+CLOSED_BY = {"landlock": {"mem", "socket"}, "namespaces": {"tmp", "shm", "scratch", "own"}}
+FULLY_ISOLATED = pytest.mark.skipif(
+    not all(sandbox.rank_isolation().values()) and os.environ.get("ONENODE_REQUIRE_SANDBOX") != "1",
+    reason=f"this machine cannot isolate the ranks of a child: {sandbox.rank_isolation()}")
+
+
+def _probe_ranks(tmp_path) -> dict:
+    """RANKS_PROBE as the submission of a two-rank child of the real harness: what it found."""
     from grader.a1.job import COLLECTIVES, CONFINE, HARNESS
 
     tree = _tree(tmp_path)
@@ -621,6 +631,78 @@ def test_ranks_of_a_child_reach_nothing_of_each_other_but_the_counted_network(tm
     session = Session("probe", {"kind": "train", "layout": {"world": 2}}, [1], world=2)
     run = run_sessions(Harness(HARNESS, (COLLECTIVES, CONFINE)), tree, profile, [session], tmp_path / "logs")["probe"]
     assert run.error and "PROBE " in run.error, (run.error, run.log_tail)
-    found = json.loads(run.error.split("PROBE ", 1)[1])
+    return json.loads(run.error.split("PROBE ", 1)[1])
+
+
+@SANDBOXED
+@FULLY_ISOLATED
+def test_ranks_of_a_child_reach_nothing_of_each_other_but_the_counted_network(tmp_path):
+    found = _probe_ranks(tmp_path)
     assert found["made"]["own"], found  # rank 1 did leave something in its own folder...
     assert not any(found["seen"].values()), found  # ...and rank 0 reached none of it
+
+
+def _lacking(monkeypatch, missing: str) -> None:
+    """Pretend this machine lacks `missing` of the ranks' isolation (and warn of gaps afresh)."""
+    if missing == "landlock":
+        monkeypatch.setattr(sandbox, "landlock_abi", lambda: 5)  # Linux 6.7 to 6.11
+    else:
+        monkeypatch.setattr(sandbox, "_user_namespaces_openable", lambda: False)
+    monkeypatch.setattr(sandbox, "_warn_about_gaps", functools.cache(sandbox._warn_about_gaps.__wrapped__))
+
+
+@SANDBOXED
+@FULLY_ISOLATED
+@pytest.mark.parametrize("missing, warned", [("landlock", "Landlock ABI 5, not 6"),
+                                             ("namespaces", "cannot open a user namespace")])
+def test_ranks_lacking_part_of_their_isolation_run_with_the_rest_and_the_gap_is_recorded(tmp_path, monkeypatch,
+                                                                                        missing, warned):
+    """A kernel without Landlock's scopes (before 6.12), or a sandbox whose children may open no
+    user namespace: a child of two ranks still runs, each rank closing what the other parts close;
+    the job's env.json names the part missing, and the grader warns of it."""
+    _lacking(monkeypatch, missing)
+    with pytest.warns(RuntimeWarning, match=warned):
+        found = _probe_ranks(tmp_path)
+    reached = {channel for channel, seen in found["seen"].items() if seen}
+    assert reached and reached <= CLOSED_BY[missing], found  # that part is off, and only that part
+    recorded = environment(load_rubric().profile("cpu-tiny"), 1)["sandbox"]["rank_isolation"]
+    assert recorded == {"namespaces": missing != "namespaces", "landlock": missing != "landlock"}, recorded
+
+
+@SANDBOXED
+@pytest.mark.parametrize("missing", ["landlock", "namespaces"])
+def test_with_the_sandbox_required_a_child_of_ranks_lacking_isolation_is_refused_in_one_line(tmp_path, monkeypatch,
+                                                                                             missing):
+    """ONENODE_REQUIRE_SANDBOX=1 (CI): a child of several ranks the machine cannot fully isolate is
+    refused, saying what the machine needs; a single rank has no other to be isolated from."""
+    _lacking(monkeypatch, missing)
+    monkeypatch.setenv("ONENODE_REQUIRE_SANDBOX", "1")
+    sessions = [Session("one", {}, [1], world=1), Session("two", {}, [1], world=2)]
+    runs = run_sessions(_echo(tmp_path), _tree(tmp_path), load_rubric().profile("cpu-tiny"), sessions, tmp_path / "l")
+    assert runs["one"].ok, runs["one"].error
+    error = runs["two"].error
+    assert error and "\n" not in error and "ONENODE_REQUIRE_SANDBOX=1" in error, error
+    assert ("Linux 6.12" if missing == "landlock" else "allow unprivileged user namespaces") in error, error
+
+
+# A harness of the runner's protocol whose ready answer says whether it may open a user namespace.
+USERNS_HARNESS = textwrap.dedent("""
+    import json, subprocess, sys
+    sys.stdin.readline()
+    for line in sys.stdin:
+        opened = subprocess.run(["unshare", "--user", "--map-root-user", "true"]).returncode == 0
+        print(json.dumps({"ready": {"opened": opened}}), flush=True)
+""")
+
+
+@SANDBOXED
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_child_opens_user_namespaces_only_for_ranks_that_close_their_own(tmp_path, world):
+    """`Limits.user_namespaces` only for a child of several ranks that each close their own
+    (grader/a1/confine.py): a single rank confines nothing, so its child may open none."""
+    script = tmp_path / "userns_harness.py"
+    script.write_text(USERNS_HARNESS)
+    runs = run_sessions(Harness(script), _tree(tmp_path), load_rubric().profile("cpu-tiny"),
+                        [Session("one", {}, [], world=world)], tmp_path / "logs")
+    assert runs["one"].ok, runs["one"].error
+    assert runs["one"].info["opened"] == (world > 1 and sandbox.rank_isolation()["namespaces"])
