@@ -6,6 +6,7 @@ the red-team cases (tests/redteam/a1_sessions.py) run the same rules through the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_grader_calibration import needs_solutions
 from torch import nn
 
 from grader import runner, sandbox
@@ -706,3 +708,33 @@ def test_a_child_opens_user_namespaces_only_for_ranks_that_close_their_own(tmp_p
                         [Session("one", {}, [], world=world)], tmp_path / "logs")
     assert runs["one"].ok, runs["one"].error
     assert runs["one"].info["opened"] == (world > 1 and sandbox.rank_isolation()["namespaces"])
+
+
+@needs_solutions
+@SANDBOXED
+@FULLY_ISOLATED
+@pytest.mark.slow
+def test_part_2_earns_its_points_on_a_kernel_without_landlocks_scopes(tmp_path, monkeypatch):
+    """Graded where the kernel lacks Landlock's scopes, the example Part 2 submission earns every
+    point cpu-tiny gives Part 2 (its ranks confined by namespaces and seccomp), and its env.json
+    says the ranks had no Landlock."""
+    from grader.a1 import A1, scoring
+    from grader.a1.demo import build_cohort
+    from grader.a1.job import new_job
+    from grader.cohort import grade_one
+
+    _lacking(monkeypatch, "landlock")
+    rubric = load_rubric()
+    tiny = rubric.profile("cpu-tiny")
+    profile = dataclasses.replace(tiny, layouts={k: tiny.layouts[k] for k in ("reference", "ep")}, warmup=1,
+                                  repeats=1, moe=dict(tiny.moe, warmup=1, repeats=1))
+    rubric = dataclasses.replace(rubric, profiles={**rubric.profiles, "cpu-tiny": profile})
+    monkeypatch.setattr(scoring, "STEPS", [scoring.grade_ep])
+    job = new_job(rubric, "cpu-tiny", tmp_path / "work", tmp_path / "starter-logs", seed=62)
+    submission = next(f for f in build_cohort(tmp_path / "cohort") if f.name == "part2-ep")
+    results = grade_one(A1, submission, job, tmp_path / "out")
+    ep = [t for t in results["tests"] if "ep" in t["tags"]]
+    part = rubric.parts["ep"]
+    assert sum(t["score"] for t in ep) == part.points - (0 if tiny.scores_speed_of("ep") else part.speed), ep
+    env = json.loads((tmp_path / "out" / "part2-ep" / "env.json").read_text())
+    assert env["sandbox"]["rank_isolation"] == {"namespaces": True, "landlock": False}, env["sandbox"]
