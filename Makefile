@@ -4,10 +4,18 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU machines: torch 2.13.0 (a CPU wheel where one is at hand). On a GPU node, install your
-# CUDA build of torch first and run `make TORCH_SPEC=torch ...`, or use an existing venv.
+# CPU machines: torch 2.13.0, the lock's. PyPI's wheel is a CUDA build (GBs); to get the CPU wheel,
+# `make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu` where that index is reachable.
+# On a GPU node, install your CUDA build of torch first and run `make TORCH_SPEC=torch ...`, or use an
+# existing venv.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 EXTRAS ?= hf,data,hub,eval,course,dev,megatron
+# The versions CI tests: every package of the extras above and torch's own, pinned (`make lock`).
+# `make setup` installs under them as constraints, except the torch line: torch comes from TORCH_SPEC,
+# so a GPU node keeps its CUDA build. The lock holds no CUDA package (nvidia-*, triton), only what a
+# CPU torch needs, so it does not clash with the one a CUDA build brings.
+LOCK := requirements.lock
 
 CACHE := $(CURDIR)/.cache
 export HF_HOME := $(CACHE)/hf
@@ -24,19 +32,42 @@ export JUPYTER_RUNTIME_DIR := $(CACHE)/jupyter/runtime
 export ONENODE_CACHE := $(CACHE)/onenode
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup demo test test-fast node-check mamba-ssm mamba-ssm-wheel bubblewrap system-deps browser clean
+.PHONY: setup lock demo test test-fast node-check mamba-ssm mamba-ssm-wheel bubblewrap system-deps browser clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	grep -v '^torch==' $(LOCK) > $(VENV)/constraints.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[$(EXTRAS)]"
 # NeMo Automodel's NemotronV3 and its state-dict adapter (tests/test_automodel_adapter.py), without
 # its dependencies: they pin another transformers and GPU-only kernels; its model code imports without them
 	$(PY) -m pip install -q --no-deps "nemo-automodel==0.7.0"
 	touch $@
 
 setup: $(VENV)/.installed
+
+## The lock, regenerated from pyproject.toml's extras and TORCH_SPEC for CI's platform (Linux x86_64)
+## and the oldest Python pyproject.toml allows; the pins already in it are kept unless
+## LOCK_ARGS=--upgrade (or --upgrade-package NAME). uv rather than pip-tools: it resolves for a named
+## Python and platform, not the one running it, and picks torch's CPU wheel (--torch-backend cpu)
+## by itself; pip-compile resolves for the interpreter it runs in and breaks with new pips. Where
+## PyTorch's index is out of reach: LOCK_TORCH="--find-links DIR", DIR holding the CPU wheel.
+## The lock keeps the version of torch, not the build (`+cpu` dropped): PyPI's wheel, the CPU wheel
+## and a CUDA build of that version all satisfy it.
+UV_SPEC ?= uv==0.13.9
+UV := $(CACHE)/uv/bin/uv
+LOCK_TORCH ?= --torch-backend cpu
+LOCK_ARGS ?=
+comma := ,
+lock:
+	test -x $(UV) || ($(PYTHON) -m venv $(CACHE)/uv && $(CACHE)/uv/bin/pip install -q "$(UV_SPEC)")
+	echo "$(TORCH_SPEC)" | $(UV) pip compile -q pyproject.toml - $(addprefix --extra ,$(subst $(comma), ,$(EXTRAS))) \
+	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 $(LOCK_TORCH) --upgrade-package torch \
+	  --custom-compile-command "make lock" $(LOCK_ARGS) -o $(LOCK)
+	sed -i 's/^torch==\([^+ ]*\)+cpu$$/torch==\1/' $(LOCK)
+	@! grep -E '^(nvidia-|triton|cuda-)' $(LOCK) || (echo "make lock: $(LOCK) has CUDA packages, torch came from" \
+	  "PyPI's CUDA build: give uv the CPU wheel (LOCK_TORCH=...)" >&2; exit 1)
 
 ## Main job: grade the example A1 cohort on CPU at tiny scale and print the table.
 demo: setup bubblewrap

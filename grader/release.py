@@ -5,6 +5,7 @@ grader applies (`a/starter_code/onenode/...`):
 
     README.md            install, `onenode bench`, the public tests, the report, how to submit
     pyproject.toml       the kit's, without the grader: package and CLI `onenode` only
+    requirements.lock    the kit's lock: the versions CI tests, the README's install takes them as constraints
     starter_code/onenode the stack the assignment starts from (its `Handout.starter`)
     tests/conftest.py    what the public tests import from the kit's tests/ (cache folders,
     tests/dist_utils.py  the gloo process runner), nothing else of it
@@ -33,6 +34,7 @@ from .rubric import KIT_ROOT, tomllib
 
 RECORDS = KIT_ROOT / "benchmarks" / "results"
 TEST_SUPPORT = ("tests/conftest.py", "tests/dist_utils.py")
+LOCK = "requirements.lock"  # the kit's lock (`make lock`); the release ships it whole, at the same path
 FORBIDDEN_MARKERS = ("BEGIN HIDDEN TESTS", "END HIDDEN TESTS", "BEGIN SOLUTION", "END SOLUTION")
 MIN_LEAK_CHARS = 30
 _SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".pytest_cache")
@@ -77,8 +79,9 @@ def student_readme(handout: Handout, has_handout: bool, has_tests: bool) -> str:
              f"The handout is on the course page; this repository holds the code, the report and `{folder}/`.",
              "", "## Set up", "", "```bash",
              "python -m venv .venv",
-             ".venv/bin/pip install torch          # your CUDA build on a GPU node; the CPU wheel elsewhere",
-             f'.venv/bin/pip install -e ".[{handout.extras}]"',
+             f".venv/bin/pip install -c {LOCK} torch   # the version CI tests; PyPI's wheel is a CUDA build:",
+             "#   without a GPU, add --extra-index-url https://download.pytorch.org/whl/cpu for the CPU wheel",
+             f'.venv/bin/pip install -c {LOCK} -e ".[{handout.extras}]"   # every package at the version CI tests',
              "git init -q && git add -A && git commit -qm handout   # so `git diff` shows your changes",
              "```", "", "## Run", "", "```bash",
              ".venv/bin/onenode bench --preset tiny                  # seconds on a CPU"]
@@ -197,6 +200,7 @@ def build(assignment: Assignment, stage: Path, course: Path) -> None:
     (stage / "README.md").write_text(student_readme(handout, has_handout, has_tests))
     shutil.copy2(KIT_ROOT / ".gitignore", stage / ".gitignore")
     shutil.copy2(KIT_ROOT / "LICENSE", stage / "LICENSE")  # pyproject.toml names it
+    shutil.copy2(KIT_ROOT / LOCK, stage / LOCK)  # the README's install names it
     source = assignment_source(assignment.name, assignment.report_source)
     make_course(course, {assignment.name: source})
     for path in (course / "release" / assignment.name).iterdir():

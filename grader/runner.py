@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .meters import PeakResident, nvlink_tx_bytes, resident_bytes
 from .rubric import Profile
-from .sandbox import Limits, SandboxedProcess, SandboxError, make_scratch, spawn_sandboxed
+from .sandbox import Limits, SandboxedProcess, SandboxError, isolated_ranks, make_scratch, spawn_sandboxed
 
 LOG_TAIL_LINES = 30
 DIED = "the child stopped answering"
@@ -89,8 +89,10 @@ def child_cpus(profile: Profile, world: int) -> tuple[int, ...]:
     return tuple(mine[:max(1, min(len(mine), profile.threads * world))])
 
 
-def limits_for(profile: Profile, world: int, sessions: int, max_file_mb: int) -> Limits:
-    """One child's limits. RLIMIT_AS is meaningless under CUDA (it maps far more than it uses)."""
+def limits_for(profile: Profile, world: int, sessions: int, max_file_mb: int,
+               isolation: dict[str, bool] | None = None) -> Limits:
+    """One child's limits. RLIMIT_AS is meaningless under CUDA (it maps far more than it uses).
+    User namespaces stay closed but where `isolation` (`Child.isolation`) has each rank close its own."""
     return Limits(
         wall_s=profile.timeout_s * sessions + 60,
         cpu_s=profile.timeout_s * sessions * max(1, profile.threads),
@@ -98,6 +100,7 @@ def limits_for(profile: Profile, world: int, sessions: int, max_file_mb: int) ->
         nproc=512 + 256 * world,  # threads count: torch, gloo and NCCL start many per rank
         fsize_mb=max_file_mb,
         cpus=child_cpus(profile, world),
+        user_namespaces=bool(isolation and isolation["namespaces"]),
     )
 
 
@@ -117,7 +120,9 @@ class Child:
                 shutil.copy2(src, self.scratch / name)
             env = {"OMP_NUM_THREADS": str(profile.threads), "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",
                    "PYTHONHASHSEED": "0"}
-            limits = limits_for(profile, world, sessions, harness.max_file_mb)
+            # a single rank has no other to be shut off from; several confine themselves (grader/a1/confine.py)
+            self.isolation = isolated_ranks() if world > 1 else None
+            limits = limits_for(profile, world, sessions, harness.max_file_mb, self.isolation)
             self.ends_by = time.monotonic() + limits.wall_s  # when the sandbox's wall limit ends it
             self.proc: SandboxedProcess = spawn_sandboxed([sys.executable, "-u", harness.script.name], cwd=self.scratch,
                                                           env=env, limits=limits)
@@ -125,7 +130,7 @@ class Child:
             shutil.rmtree(self.scratch, ignore_errors=True)
             raise
         self._write({"world": world, "threads": profile.threads, "device": profile.device,
-                     "tree": str((self.scratch / "starter_code").resolve())})
+                     "tree": str((self.scratch / "starter_code").resolve()), "confine": self.isolation})
 
     def _write(self, message: dict) -> None:
         self.proc.stdin.write((json.dumps(message) + "\n").encode())

@@ -74,6 +74,8 @@ BWRAP = "bwrap"  # looked up on the grader's PATH (Debian/Ubuntu: apt-get instal
 SETPRIV = "setpriv"  # util-linux: drops to the leased uid inside the sandbox when the grader is root
 UNSAFE_ENV = "ONENODE_UNSAFE_NO_SANDBOX"  # "1": run submission code without bubblewrap (never for grading)
 CGROUP_ENV = "ONENODE_CGROUP"  # a cgroup v2 directory delegated to the grader, for the children's CPU quota
+REQUIRE_ENV = "ONENODE_REQUIRE_SANDBOX"  # "1" (CI): a child whose ranks cannot be isolated is refused, not warned of
+LANDLOCK_SCOPES_ABI = 6  # Landlock's scopes (abstract unix sockets, signals): Linux 6.12
 CPU_PERIOD_US = 100_000
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
 # What of /etc the child sees: users and groups by number, name resolution of localhost, the
@@ -102,6 +104,9 @@ class Limits:
     ``cpu_s`` is per process; ``nproc`` counts threads too (torch starts one per core).
     ``fsize_mb`` also sizes the private /tmp and /dev/shm (tmpfs, in memory).
     ``cpus``: the CPUs the child runs on, and (with a cgroup, `cpu_cgroup_parent`) its CPU quota.
+    ``user_namespaces``: the child may create user namespaces, for a child whose every process
+    that runs untrusted code first closes its own (the ranks of an A1 child of several, where
+    `rank_isolation()` has namespaces: grader/a1/confine.py).
     """
 
     wall_s: float = 600.0
@@ -113,6 +118,7 @@ class Limits:
     output_kb: int = 256
     network: bool = False
     cpus: tuple[int, ...] | None = None
+    user_namespaces: bool = False
 
     def __post_init__(self) -> None:
         for name in ("wall_s", "cpu_s", "memory_mb", "nproc", "nofile", "fsize_mb", "output_kb"):
@@ -249,6 +255,45 @@ def _make_cpu_cgroup(cpus: tuple[int, ...]) -> Path | None:
     return group
 
 
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 where Landlock is off or missing."""
+    version = _libc().syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # landlock_create_ruleset(VERSION)
+    return max(version, 0)
+
+
+def rank_isolation() -> dict[str, bool]:
+    """What each rank of a child of several (the A1 harness's) can shut itself off from the others
+    with, here (grader/a1/confine.py): namespaces of its own where the sandbox's children may open
+    a user namespace, Landlock's scopes where the kernel has them. Seccomp it always can."""
+    return {"namespaces": _user_namespaces_openable(), "landlock": landlock_abi() >= LANDLOCK_SCOPES_ABI}
+
+
+def _rank_isolation_gaps(isolation: dict[str, bool]) -> list[str]:
+    """What the ranks of one child can share unseen where part of `rank_isolation()` is missing."""
+    gaps = []
+    if not isolation["namespaces"]:
+        gaps.append("the sandbox's children cannot open a user namespace here, so the ranks of one A1 child share "
+                    "/tmp, /dev/shm, the scratch folder and System V IPC, unseen by the traffic count; allow "
+                    "unprivileged user namespaces (Ubuntu 24.04: "
+                    "sysctl kernel.apparmor_restrict_unprivileged_userns=0)")
+    if not isolation["landlock"]:
+        gaps.append(f"the kernel offers Landlock ABI {landlock_abi()}, not {LANDLOCK_SCOPES_ABI}, so the ranks of one "
+                    "A1 child may read each other's memory, signal each other and meet on abstract unix sockets, "
+                    "unseen by the traffic count; grade on Linux 6.12 or later")
+    return gaps
+
+
+def isolated_ranks() -> dict[str, bool]:
+    """`rank_isolation()`, for a child of several ranks about to start. A missing part is recorded
+    (`capabilities()`, env.json) and warned of once; with ``ONENODE_REQUIRE_SANDBOX=1`` (CI) it is
+    refused instead (SandboxError, one line saying what the machine needs)."""
+    isolation = rank_isolation()
+    gaps = _rank_isolation_gaps(isolation)
+    if gaps and os.environ.get(REQUIRE_ENV) == "1":
+        raise SandboxError(f"{REQUIRE_ENV}=1 and the ranks of a child cannot be isolated here: {'; '.join(gaps)}")
+    return isolation
+
+
 def capabilities() -> dict[str, object]:
     """Which guarantees hold on this machine (docs/SECURITY.md); the grader records it in env.json."""
     root, problem = _is_root(), _sandbox_problem()
@@ -267,6 +312,8 @@ def capabilities() -> dict[str, object]:
         "gpu_devices": sorted(glob.glob("/dev/nvidia*")) if isolated and _gpu_machine() else [],
         "nvidia_smi": shutil.which("nvidia-smi") is not None,
         "cpu_quota": cpu_cgroup_parent() is not None,
+        "landlock_abi": landlock_abi(),
+        "rank_isolation": rank_isolation(),
     }
 
 
@@ -296,6 +343,7 @@ def _warn_about_gaps() -> None:
     if cpu_cgroup_parent() is None:
         gaps.append(f"no cgroup v2 with the cpu controller for the grader ({CGROUP_ENV}): a child is pinned to its "
                     "CPUs by affinity alone, which it may widen; its CPU time is not capped")
+    gaps += _rank_isolation_gaps(rank_isolation())
     if gaps:
         warnings.warn("sandbox: " + "; ".join(gaps), RuntimeWarning, stacklevel=4)
 
@@ -303,11 +351,12 @@ def _warn_about_gaps() -> None:
 # ----------------------------------------------------------------------------- the child's file system
 
 
-def _namespace_args(network: bool) -> list[str]:
+def _namespace_args(network: bool, user_namespaces: bool = False) -> list[str]:
     """bwrap's namespaces. As root, bwrap keeps only what it needs to enter the scratch (owned by
     the leased uid, 0700) and setpriv needs to drop to that uid, after which none is left;
     otherwise bwrap runs in a user namespace of its own, and the child may not create another
-    (there it could hide processes and traffic from the grader's counters)."""
+    (there it could hide processes and traffic from the grader's counters) unless
+    ``user_namespaces`` (`Limits.user_namespaces`)."""
     args = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
             "--new-session"]
     if not network:
@@ -317,7 +366,7 @@ def _namespace_args(network: bool) -> list[str]:
         for cap in ("CAP_DAC_READ_SEARCH", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"):
             args += ["--cap-add", cap]
     else:
-        args += ["--unshare-user", "--disable-userns"]
+        args += ["--unshare-user", *([] if user_namespaces else ["--disable-userns"])]
     return args
 
 
@@ -411,19 +460,20 @@ def _bwrap_argv(*, scratch: Path, cwd: Path, readable: Sequence[Path], limits: L
     for path in readable:
         tree.bind("--ro-bind", str(path))
     tree.bind("--bind", str(scratch))
-    return [shutil.which(BWRAP), *_namespace_args(limits.network), "--json-status-fd", str(status_fd), *tree.args,
+    namespaces = _namespace_args(limits.network, limits.user_namespaces)
+    return [shutil.which(BWRAP), *namespaces, "--json-status-fd", str(status_fd), *tree.args,
             "--chdir", str(cwd), "--"]
 
 
-def _as_uid(uid: int, sandboxed: bool) -> list[str]:
+def _as_uid(uid: int, sandboxed: bool, user_namespaces: bool = False) -> list[str]:
     """What root runs before the command (inside the sandbox, bwrap does): setpriv becomes ``uid``
     for good (no groups, no capabilities, not even in the bounding set); then in the sandbox, where
     the kernel lets users create user namespaces, a second bwrap as that uid enters one that may
     create no other, so the child cannot rearrange its mounts or hide processes and traffic in
-    namespaces of its own."""
+    namespaces of its own (unless ``user_namespaces``: then the child closes them itself)."""
     args = [shutil.which(SETPRIV), f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
             "--bounding-set=-all", "--pdeathsig=KILL", "--"]
-    if sandboxed and _user_namespaces_closable():
+    if sandboxed and not user_namespaces and _user_namespaces_closable():
         args += [shutil.which(BWRAP), "--unshare-user", "--disable-userns", "--dev-bind", "/", "/", "--"]
     return args
 
@@ -437,6 +487,21 @@ def _user_namespaces_closable() -> bool:
         return subprocess.run([shutil.which(SETPRIV), f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups", "--",
                                shutil.which(BWRAP), "--unshare-user", "--disable-userns", "--dev-bind", "/", "/", "--",
                                "true"], timeout=60, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@cache
+def _user_namespaces_openable() -> bool:
+    """Whether a child with `Limits.user_namespaces` may open a user namespace and mount in it, as
+    the sandbox starts it (as the leased uid, or in bwrap's user namespace): a sysctl or AppArmor
+    may refuse unprivileged users that."""
+    outer = ([SETPRIV, "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
+              "--"] if _is_root() else [BWRAP, "--unshare-user", "--dev-bind", "/", "/", "--"])
+    try:
+        return subprocess.run([*outer, "unshare", "--user", "--map-root-user", "--mount", "--ipc", "true"], timeout=60,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
@@ -725,7 +790,7 @@ class SandboxedProcess:
             if self._lease:
                 _chown_tree(scratch, self._lease.uid, self._lease.uid)
                 scratch.chmod(0o700)
-                command = _as_uid(self._lease.uid, self.filesystem_isolated) + command
+                command = _as_uid(self._lease.uid, self.filesystem_isolated, limits.user_namespaces) + command
             if self.filesystem_isolated:
                 self._status_fd, status_w = os.pipe()
                 command = _bwrap_argv(scratch=scratch, cwd=cwd, readable=readable, limits=limits,

@@ -6,6 +6,8 @@ the red-team cases (tests/redteam/a1_sessions.py) run the same rules through the
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 import os
@@ -16,12 +18,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_grader_calibration import needs_solutions
 from torch import nn
 
-from grader import runner
+from grader import runner, sandbox
 from grader.a1.job import A1Job
 from grader.a1.rubric import load_rubric
 from grader.errors import GraderError
+from grader.report import environment
 from grader.runner import Harness, Session, SessionResult, run_sessions
 from grader.sandbox import capabilities
 
@@ -537,3 +541,200 @@ def test_a_failed_starter_fails_every_submission_with_its_error_and_runs_once(tm
         with pytest.raises(GraderError, match="moe session failed"):
             _ = job.reference
     assert calls == [1]
+
+
+# -- the ranks of a child share nothing but the counted network ----------------------------------
+# A submission whose ranks try every shared place of their sandbox: rank 1 leaves something in
+# each (a file in /tmp, /dev/shm, the scratch folder and its own folder; a System V segment, a
+# POSIX queue, a kernel key, an abstract socket), then rank 0, told rank 1's pid and folder through
+# a counted collective, looks for each, writes to its netlink socket, reads rank 1's memory and tries to leave its own
+# namespaces. Rank 0 answers what it found.
+RANKS_PROBE = textwrap.dedent("""
+    import ctypes, json, os, socket, subprocess, time
+    import torch.distributed as dist
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    KEY, NAME = 0x4F4E, b"/onenode-rank-1"
+    def places(folder):
+        return {"tmp": "/tmp/left", "shm": "/dev/shm/left", "scratch": os.path.join(os.getcwd(), "left"),
+                "own": os.path.join(folder, "left")}
+    rank = dist.get_rank()
+    if rank == 1:
+        made = {}
+        for name, path in places(os.environ["TMPDIR"]).items():
+            try:
+                open(path, "w").write("rank 1 was here")
+                made[name] = True
+            except OSError:
+                made[name] = False
+        made["sysv"] = libc.shmget(KEY, 4096, 0o1666) >= 0
+        made["mqueue"] = libc.mq_open(NAME, os.O_CREAT | os.O_RDWR, 0o666, None) >= 0
+        made["key"] = libc.syscall(248 if os.uname().machine == "x86_64" else 217, b"user", b"onenode", b"x",
+                                   ctypes.c_size_t(1), ctypes.c_int(-4)) >= 0
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind("\\0onenode-rank-1")
+        listener.listen()
+        try:
+            netlink = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 2)  # NETLINK_USERSOCK
+            netlink.bind((0, 0))
+            made["netlink"] = netlink.getsockname()[0]
+        except OSError:
+            made["netlink"] = None
+    else:
+        made = None
+    told = [None, None]
+    dist.all_gather_object(told, (os.getpid(), os.environ["TMPDIR"], made))
+    if rank == 1:
+        time.sleep(5)  # rank 0's answer comes first
+        raise RuntimeError("rank 1 done")
+    pid, folder, made = told[1]
+    seen = {name: os.path.exists(path) for name, path in places(folder).items()}
+    seen["sysv"] = libc.shmget(KEY, 0, 0) >= 0
+    seen["mqueue"] = libc.mq_open(NAME, os.O_RDONLY, 0, None) >= 0
+    seen["key"] = libc.syscall(250 if os.uname().machine == "x86_64" else 219, 0, ctypes.c_int(-4), 0, 0) > 0
+    try:
+        socket.socket(socket.AF_UNIX).connect("\\0onenode-rank-1")
+        seen["socket"] = True
+    except OSError:
+        seen["socket"] = False
+    try:
+        sender = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 2)
+        sender.sendto(b"\\x15\\0\\0\\0\\x10\\0\\0\\0" + bytes(13), (made["netlink"] or 1, 0))
+        seen["netlink"] = True
+    except OSError:
+        seen["netlink"] = False
+    try:
+        with open(f"/proc/{pid}/mem", "rb") as mem:
+            seen["mem"] = True
+    except OSError:
+        seen["mem"] = False
+    # nor can it undo its confinement: no namespace of its own (to remount), no user namespace
+    seen["unshare"] = subprocess.run(["unshare", "--user", "--map-root-user", "true"]).returncode == 0
+    raise RuntimeError("PROBE " + json.dumps({"made": made, "seen": seen}))
+""")
+
+
+# where the machine lacks a part of the ranks' isolation (grader.sandbox.rank_isolation), what of
+# the probe's channels that part alone closes
+CLOSED_BY = {"landlock": {"mem", "socket"}, "namespaces": {"tmp", "shm", "scratch", "own"}}
+FULLY_ISOLATED = pytest.mark.skipif(
+    not all(sandbox.rank_isolation().values()) and os.environ.get("ONENODE_REQUIRE_SANDBOX") != "1",
+    reason=f"this machine cannot isolate the ranks of a child: {sandbox.rank_isolation()}")
+
+
+def _probe_ranks(tmp_path) -> dict:
+    """RANKS_PROBE as the submission of a two-rank child of the real harness: what it found."""
+    from grader.a1.job import COLLECTIVES, CONFINE, HARNESS
+
+    tree = _tree(tmp_path)
+    (tree / "starter_code" / "onenode").mkdir()
+    (tree / "starter_code" / "onenode" / "__init__.py").write_text(RANKS_PROBE)
+    profile = load_rubric().profile("cpu-tiny")
+    session = Session("probe", {"kind": "train", "layout": {"world": 2}}, [1], world=2)
+    run = run_sessions(Harness(HARNESS, (COLLECTIVES, CONFINE)), tree, profile, [session], tmp_path / "logs")["probe"]
+    assert run.error and "PROBE " in run.error, (run.error, run.log_tail)
+    return json.loads(run.error.split("PROBE ", 1)[1])
+
+
+@SANDBOXED
+@FULLY_ISOLATED
+def test_ranks_of_a_child_reach_nothing_of_each_other_but_the_counted_network(tmp_path):
+    found = _probe_ranks(tmp_path)
+    assert found["made"]["own"], found  # rank 1 did leave something in its own folder...
+    assert not any(found["seen"].values()), found  # ...and rank 0 reached none of it
+
+
+def _lacking(monkeypatch, missing: str) -> None:
+    """Pretend this machine lacks `missing` of the ranks' isolation (and warn of gaps afresh)."""
+    if missing == "landlock":
+        monkeypatch.setattr(sandbox, "landlock_abi", lambda: 5)  # Linux 6.7 to 6.11
+    else:
+        monkeypatch.setattr(sandbox, "_user_namespaces_openable", lambda: False)
+    monkeypatch.setattr(sandbox, "_warn_about_gaps", functools.cache(sandbox._warn_about_gaps.__wrapped__))
+
+
+@SANDBOXED
+@FULLY_ISOLATED
+@pytest.mark.parametrize("missing, warned", [("landlock", "Landlock ABI 5, not 6"),
+                                             ("namespaces", "cannot open a user namespace")])
+def test_ranks_lacking_part_of_their_isolation_run_with_the_rest_and_the_gap_is_recorded(tmp_path, monkeypatch,
+                                                                                        missing, warned):
+    """A kernel without Landlock's scopes (before 6.12), or a sandbox whose children may open no
+    user namespace: a child of two ranks still runs, each rank closing what the other parts close;
+    the job's env.json names the part missing, and the grader warns of it."""
+    _lacking(monkeypatch, missing)
+    with pytest.warns(RuntimeWarning, match=warned):
+        found = _probe_ranks(tmp_path)
+    reached = {channel for channel, seen in found["seen"].items() if seen}
+    assert reached and reached <= CLOSED_BY[missing], found  # that part is off, and only that part
+    recorded = environment(load_rubric().profile("cpu-tiny"), 1)["sandbox"]["rank_isolation"]
+    assert recorded == {"namespaces": missing != "namespaces", "landlock": missing != "landlock"}, recorded
+
+
+@SANDBOXED
+@pytest.mark.parametrize("missing", ["landlock", "namespaces"])
+def test_with_the_sandbox_required_a_child_of_ranks_lacking_isolation_is_refused_in_one_line(tmp_path, monkeypatch,
+                                                                                             missing):
+    """ONENODE_REQUIRE_SANDBOX=1 (CI): a child of several ranks the machine cannot fully isolate is
+    refused, saying what the machine needs; a single rank has no other to be isolated from."""
+    _lacking(monkeypatch, missing)
+    monkeypatch.setenv("ONENODE_REQUIRE_SANDBOX", "1")
+    sessions = [Session("one", {}, [1], world=1), Session("two", {}, [1], world=2)]
+    runs = run_sessions(_echo(tmp_path), _tree(tmp_path), load_rubric().profile("cpu-tiny"), sessions, tmp_path / "l")
+    assert runs["one"].ok, runs["one"].error
+    error = runs["two"].error
+    assert error and "\n" not in error and "ONENODE_REQUIRE_SANDBOX=1" in error, error
+    assert ("Linux 6.12" if missing == "landlock" else "allow unprivileged user namespaces") in error, error
+
+
+# A harness of the runner's protocol whose ready answer says whether it may open a user namespace.
+USERNS_HARNESS = textwrap.dedent("""
+    import json, subprocess, sys
+    sys.stdin.readline()
+    for line in sys.stdin:
+        opened = subprocess.run(["unshare", "--user", "--map-root-user", "true"]).returncode == 0
+        print(json.dumps({"ready": {"opened": opened}}), flush=True)
+""")
+
+
+@SANDBOXED
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_child_opens_user_namespaces_only_for_ranks_that_close_their_own(tmp_path, world):
+    """`Limits.user_namespaces` only for a child of several ranks that each close their own
+    (grader/a1/confine.py): a single rank confines nothing, so its child may open none."""
+    script = tmp_path / "userns_harness.py"
+    script.write_text(USERNS_HARNESS)
+    runs = run_sessions(Harness(script), _tree(tmp_path), load_rubric().profile("cpu-tiny"),
+                        [Session("one", {}, [], world=world)], tmp_path / "logs")
+    assert runs["one"].ok, runs["one"].error
+    assert runs["one"].info["opened"] == (world > 1 and sandbox.rank_isolation()["namespaces"])
+
+
+@needs_solutions
+@SANDBOXED
+@FULLY_ISOLATED
+@pytest.mark.slow
+def test_part_2_earns_its_points_on_a_kernel_without_landlocks_scopes(tmp_path, monkeypatch):
+    """Graded where the kernel lacks Landlock's scopes, the example Part 2 submission earns every
+    point cpu-tiny gives Part 2 (its ranks confined by namespaces and seccomp), and its env.json
+    says the ranks had no Landlock."""
+    from grader.a1 import A1, scoring
+    from grader.a1.demo import build_cohort
+    from grader.a1.job import new_job
+    from grader.cohort import grade_one
+
+    _lacking(monkeypatch, "landlock")
+    rubric = load_rubric()
+    tiny = rubric.profile("cpu-tiny")
+    profile = dataclasses.replace(tiny, layouts={k: tiny.layouts[k] for k in ("reference", "ep")}, warmup=1,
+                                  repeats=1, moe=dict(tiny.moe, warmup=1, repeats=1))
+    rubric = dataclasses.replace(rubric, profiles={**rubric.profiles, "cpu-tiny": profile})
+    monkeypatch.setattr(scoring, "STEPS", [scoring.grade_ep])
+    job = new_job(rubric, "cpu-tiny", tmp_path / "work", tmp_path / "starter-logs", seed=62)
+    submission = next(f for f in build_cohort(tmp_path / "cohort") if f.name == "part2-ep")
+    results = grade_one(A1, submission, job, tmp_path / "out")
+    ep = [t for t in results["tests"] if "ep" in t["tags"]]
+    part = rubric.parts["ep"]
+    assert sum(t["score"] for t in ep) == part.points - (0 if tiny.scores_speed_of("ep") else part.speed), ep
+    env = json.loads((tmp_path / "out" / "part2-ep" / "env.json").read_text())
+    assert env["sandbox"]["rank_isolation"] == {"namespaces": True, "landlock": False}, env["sandbox"]

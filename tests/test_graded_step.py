@@ -32,9 +32,10 @@ def harness_session(tmp: Path, spec: dict, seeds: list[int]) -> tuple[dict, list
     """The grader's harness in a child process (no sandbox: the kit's own starter), one training
     session on `seeds`, its evidence read after the last: its ready info and, per seed, the timed
     reply (the last merged with the evidence)."""
-    for src in (KIT / "grader/a1/harness.py", KIT / "a1_infra/tests/collectives.py"):
+    for src in (KIT / "grader/a1/harness.py", KIT / "grader/a1/confine.py", KIT / "a1_infra/tests/collectives.py"):
         shutil.copy2(src, tmp / src.name)
-    messages = [{"world": 1, "threads": 1, "device": "cpu", "tree": str(KIT / "starter_code")}, {"session": spec}]
+    messages = [{"world": 1, "threads": 1, "device": "cpu", "tree": str(KIT / "starter_code"), "confine": None},
+                {"session": spec}]
     messages += [{"seed": seed} for seed in seeds] + [{"evidence": True}]
     env = {"PYTHONPATH": str(KIT / "starter_code"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-u", "harness.py"], cwd=tmp, env=env, capture_output=True, text=True,

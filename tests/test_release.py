@@ -18,11 +18,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from grader import hints, notebook, report
 from grader.export import export
 from grader.registry import ASSIGNMENTS
-from grader.release import ReleaseError, copy_linked_records, dead_links, leaks, release, student_pyproject
+from grader.release import LOCK, ReleaseError, copy_linked_records, dead_links, leaks, release, student_pyproject
 from grader.report import results_json
 from grader.rubric import tomllib
 
@@ -146,6 +148,58 @@ def test_release_refuses_bad_places(tmp_path):
     with pytest.raises(ReleaseError, match="must not contain each other"):
         release(ASSIGNMENTS["a1"], tmp_path / "new", tmp_path / "new" / "course")
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine" and not (tmp_path / "course").exists()
+
+
+def _pins(lock: str) -> dict[str, str]:
+    """name -> version of every `name==version` line of a lock (its comments skipped)."""
+    pins = {}
+    for line in lock.splitlines():
+        if line and not line[0].isspace() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[canonicalize_name(name)] = version.strip()
+    return pins
+
+
+def _unpinned(requirements: list[str], lock: str) -> list[str]:
+    pins = _pins(lock)
+    return sorted({str(canonicalize_name(Requirement(r).name)) for r in requirements} - set(pins))
+
+
+def test_the_lock_pins_every_dependency_ci_installs():
+    """Issue 42: requirements.lock pins every requirement of pyproject.toml's dependencies and of the
+    extras `make setup` installs, torch at TORCH_SPEC's version and build-free, and no CUDA package
+    (a GPU node's torch brings its own)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    makefile = (ROOT / "Makefile").read_text()
+    extras = re.search(r"^EXTRAS \?= (\S+)$", makefile, re.M).group(1).split(",")
+    requirements = project["dependencies"] + [r for extra in extras for r in project["optional-dependencies"][extra]]
+    lock = (ROOT / LOCK).read_text()
+    assert len(requirements) > 20 and _unpinned(requirements, lock) == []
+    first = next(line for line in lock.splitlines() if line[:1].isalnum())
+    assert _unpinned(requirements + [first.split("==")[0]], lock.replace(first + "\n", "")) == [
+        canonicalize_name(first.split("==")[0])], "a name missing from the lock must be found"
+    pins = _pins(lock)
+    assert all(re.fullmatch(r"[0-9][0-9a-z.]*", v) for v in pins.values()), "every pin is an exact version"
+    assert re.search(r"^TORCH_SPEC \?= (\S+)$", makefile, re.M).group(1) == f"torch=={pins['torch']}"
+    assert [n for n in pins if n.startswith(("nvidia-", "cuda-")) or n == "triton"] == []
+
+
+def test_the_release_ships_the_lock_and_installs_under_it(tmp_path, monkeypatch):
+    """Issue 42: the student repository carries the kit's lock, and every `pip install` of its README
+    takes it as constraints (nbgrader's step stubbed: the notebook is not what this checks)."""
+    import grader.release
+
+    def fake_course(course, sources):
+        for name in sources:
+            (course / "release" / name).mkdir(parents=True)
+            (course / "release" / name / f"{notebook.NOTEBOOK_ID}.ipynb").write_text('{"cells": []}')
+
+    monkeypatch.setattr(grader.release, "make_course", fake_course)
+    bundle = release(ASSIGNMENTS["a1"], tmp_path / "student", tmp_path / "course")
+    assert (bundle / LOCK).read_bytes() == (ROOT / LOCK).read_bytes()
+    installs = [line for line in (bundle / "README.md").read_text().splitlines() if "pip install" in line]
+    assert len(installs) == 2 and any("-e " in line for line in installs)
+    assert [line for line in installs if f" -c {LOCK} " not in line] == []
 
 
 # -- slow: nbgrader runs -----------------------------------------------------------------------

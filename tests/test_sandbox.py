@@ -8,6 +8,7 @@ Processes inside the sandbox have pids of its own pid namespace: the tests take 
 grader's side, `SandboxedProcess.pids()`.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -100,6 +101,16 @@ def test_environment_is_allow_listed_and_home_is_in_scratch(scratch, monkeypatch
     for key in ("HOME", "TMPDIR", "XDG_CACHE_HOME", "HF_HOME", "PYTHONPATH"):
         assert Path(env[key]).is_relative_to(scratch.resolve()), key
     assert env["PYTHONPATH"] == str(scratch.resolve() / "starter_code")
+
+
+@SANDBOXED
+@pytest.mark.parametrize("allowed", [False, True])
+def test_user_namespaces_stay_closed_unless_the_child_closes_its_own(scratch, allowed):
+    """A child may create no user namespace (it could hide processes and traffic there), unless
+    `Limits.user_namespaces` says its processes close their own (the A1 ranks: grader/a1/confine.py)."""
+    res = run_sandboxed(["unshare", "--user", "true"], cwd=scratch,
+                        limits=dataclasses.replace(FAST, user_namespaces=allowed))
+    assert (res.returncode == 0) == (allowed and sandbox._user_namespaces_closable()), res.stderr
 
 
 @ROOT_ONLY

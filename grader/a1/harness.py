@@ -7,7 +7,8 @@ Everything it says is untrusted: the parent only compares the numbers it returns
 unpatched starter's, run through this same harness.
 
 Protocol, one JSON object per line. The parent first sends the child's setup (`world`,
-`threads`, `device`, `tree`); the harness starts `world` ranks (it never imports torch itself).
+`threads`, `device`, `tree`, and `confine`: the parts of `confine.py` each rank applies, None for
+a single rank); the harness starts `world` ranks (it never imports torch itself).
 Then sessions, one after another: `{"session": spec}` is answered `{"ready": info}` or
 `{"error": ...}`; for each workload the parent starts its clock, sends `{"seed": s}`, and stops
 the clock on the answer `{"digest": ...}`: the inputs exist only from that moment. A training
@@ -31,13 +32,16 @@ import json
 import math
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
+import socket
+import stat
 import sys
 import traceback
-import uuid
 from pathlib import Path
 
 from collectives import CollectiveCounter  # noqa: E402  (a1_infra/tests/collectives.py, copied beside this file)
+from confine import ConfineError, confine_rank  # noqa: E402  (grader/a1/confine.py, copied beside this file)
 
 
 def _check_onenode(tree: str) -> str:
@@ -648,8 +652,24 @@ def _error(e: BaseException) -> dict:
     return {"error": f"{type(e).__name__}: {first}"[:500]}
 
 
-def _rank_main(config: dict, rank: int, store: str, conn) -> None:
-    """One rank: builds the sessions it is sent and answers each seed."""
+def _send(conn, reply: dict) -> None:
+    """A rank answers the harness in JSON: the harness unpickles nothing a rank sends."""
+    conn.send_bytes(json.dumps(reply).encode())
+
+
+def _rank_main(config: dict, rank: int, store: str, ranks_dir: str, conn) -> None:
+    """One rank: shuts itself off from the other ranks (`confine.py`, the parts `config["confine"]`
+    names), then builds the sessions it is sent and answers each seed. It meets the others through
+    a TCP store on the sandbox's loopback, where the grader counts every byte."""
+    own = None  # a single rank (no `confine`) shares its child with no other
+    if config["confine"] is not None:
+        try:
+            own = confine_rank(rank, ranks_dir, cuda=config["device"] == "cuda", **config["confine"])
+        except ConfineError as e:
+            while conn.recv() is not None:  # the submission never runs less confined than the grader recorded
+                _send(conn, {"error": f"the grader cannot isolate the ranks here ({e}): grade on Linux 6.12 or "
+                                      "later with unprivileged user namespaces allowed (docs/SECURITY.md)"})
+            return
     counter = CollectiveCounter()
     import torch
     import torch.distributed as dist
@@ -660,7 +680,7 @@ def _rank_main(config: dict, rank: int, store: str, conn) -> None:
         backend = "nccl" if config["device"] == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+        dist.init_process_group(backend, init_method=store, rank=rank, world_size=world)
     session = None
     while (msg := conn.recv()) is not None:
         try:
@@ -670,22 +690,24 @@ def _rank_main(config: dict, rank: int, store: str, conn) -> None:
                 if config["device"] == "cuda":
                     torch.cuda.empty_cache()
                 if "release" in msg:
-                    conn.send({"released": True})
+                    _send(conn, {"released": True})
                     continue
                 spec = msg["session"]
+                if spec.get("weights_out") and own:  # written in its own folder: the harness moves it out
+                    spec = {**spec, "weights_out": os.path.join(own, spec["weights_out"])}
                 _check_onenode(config["tree"])
                 session = MoeSession(spec) if spec["kind"] == "moe" else TrainSession(spec, rank, counter)
                 _check_onenode(config["tree"])  # nothing swapped in while building
                 if spec.get("count_routes"):
                     session.count_routes()
-                conn.send({"ready": session.info()})
+                _send(conn, {"ready": session.info()})
             elif "evidence" in msg:
-                conn.send({"evidence": session.evidence()})
+                _send(conn, {"evidence": session.evidence()})
             else:
-                conn.send({"digest": session.step(int(msg["seed"]))})
+                _send(conn, {"digest": session.step(int(msg["seed"]))})
         except BaseException as e:
             session = None
-            conn.send(_error(e))
+            _send(conn, _error(e))
     conn.close()
 
 
@@ -713,20 +735,34 @@ class Ranks:
     The ranks fork from a server that imported torch once (a spawned rank spent ~2.5 s of CPU on
     that import: 20 s of a 2-core machine for 8 ranks). The server starts before any submission
     code runs and imports nothing else, so each rank still installs the collective counter before
-    FSDP and the submission are imported."""
+    FSDP and the submission are imported. Once all have started, the server's socket file is
+    removed: a rank cannot have it fork a process outside its confinement."""
 
     def __init__(self, config: dict):
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch"])
-        store = str(Path.cwd() / f"rendezvous-{uuid.uuid4().hex}")
+        with socket.socket() as probe:  # a free port of the sandbox's own loopback
+            probe.bind(("127.0.0.1", 0))
+            store = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        self.folders = Path.cwd() / "ranks"  # one folder per rank, the only place it writes
+        self.folders.mkdir(mode=0o700)
         self.conns, self.procs = [], []
         for rank in range(config["world"]):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(config, rank, store, theirs), daemon=True)
+            proc = ctx.Process(target=_rank_main, args=(config, rank, store, str(self.folders), theirs), daemon=True)
             proc.start()
             theirs.close()
             self.conns.append(ours)
             self.procs.append(proc)
+        os.unlink(mp.forkserver._forkserver._forkserver_address)
+
+    def move_out(self, name: str) -> None:
+        """Rank 0's file `name` (the weights it saved) into the child's folder, if a regular file."""
+        written, there = self.folders / "0" / name, Path.cwd() / name
+        if written.is_file():
+            os.replace(written, there)
+            if not stat.S_ISREG(there.lstat().st_mode):  # swapped for a link meanwhile
+                there.unlink()
 
     def ask(self, msg: dict, n: int) -> dict:
         """Send `msg` to ranks [0, n) and merge their answers. The first error (or death)
@@ -741,10 +777,14 @@ class Ranks:
             for conn in mp.connection.wait(list(pending.values())):
                 rank = next(r for r, c in pending.items() if c is conn)
                 try:
-                    reply = conn.recv()
+                    reply = json.loads(conn.recv_bytes())
                 except EOFError:
                     self.procs[rank].join(5)
                     reply = {"error": f"died (exit code {self.procs[rank].exitcode})"}
+                except ValueError:
+                    reply = None
+                if not isinstance(reply, dict):
+                    reply = {"error": "answered something other than a JSON object"}
                 if "error" in reply:
                     return {"error": f"rank {rank}: {reply['error']}" if len(self.conns) > 1 else reply["error"]}
                 replies[rank] = reply
@@ -779,7 +819,10 @@ def main() -> None:
         while (msg := recv()) is not None:
             if "session" in msg:
                 n = msg["session"].get("layout", {}).get("world", 1)
-            proto.write(json.dumps(ranks.ask(msg, n)) + "\n")
+            reply = ranks.ask(msg, n)
+            if "ready" in reply and msg["session"].get("weights_out"):
+                ranks.move_out(msg["session"]["weights_out"])
+            proto.write(json.dumps(reply) + "\n")
     finally:
         ranks.close()
 

@@ -31,6 +31,7 @@ from .rubric import A1Profile, A1Rubric
 
 HARNESS = Path(__file__).with_name("harness.py")
 COLLECTIVES = KIT_ROOT / "a1_infra" / "tests" / "collectives.py"  # the kit's own: the harness imports it
+CONFINE = Path(__file__).with_name("confine.py")  # each rank confines itself with it before the submission runs
 
 
 def weights_mb(profile: A1Profile) -> int:
@@ -73,7 +74,7 @@ class A1Job(Job):
         self.seeds = {"moe": [rng.randrange(2**31) for _ in range(moe["warmup"] + moe["repeats"])],
                       **{layout: [rng.randrange(2**31) for _ in range(steps)] for layout in ("reference", "ep", "pp")}}
         # files may hold the job's weights twice over (the reference weights the grader hands in)
-        self.harness = Harness(HARNESS, (COLLECTIVES,), max(1024, 2 * weights_mb(self.profile)))
+        self.harness = Harness(HARNESS, (COLLECTIVES, CONFINE), max(1024, 2 * weights_mb(self.profile)))
 
     def spec(self, kind: str, **extra) -> dict:
         p = self.profile
