@@ -61,14 +61,17 @@ def job_from_args(rubric: A2Rubric, profile: str, workdir: Path, args: argparse.
 
 
 def submit_lines() -> tuple[str, ...]:
-    """The release README's Submit section: the pack command and the hand-in list, which the
-    intake refuses an incomplete submission by (`onenode.handin.A2_HAND_IN`)."""
+    """The release README's Submit section: the verify and pack commands and the hand-in list,
+    which the intake refuses an incomplete submission by (`onenode.handin.A2_HAND_IN`)."""
     from onenode.handin import hand_in_table
 
     return ("One folder: the run folder that `onenode train` wrote, the data folder it trained on, and your "
-            "report. `onenode pack a2` checks the run as the grader's intake does and copies them into it; hand it "
-            "in on the node's shared storage, as the course says.", "",
-            "```bash", ".venv/bin/onenode pack a2 runs/mine --out submission", "```", "", *hand_in_table())
+            "report. `onenode verify` runs the grader's verification of the run on your install (passing it is "
+            "necessary, not sufficient: the grading replays spans of its own choosing and scores the evaluation); "
+            "`onenode pack a2` checks the run as the grader's intake does and copies them into it; hand it in on the "
+            "node's shared storage, as the course says.", "",
+            "```bash", ".venv/bin/onenode verify runs/mine --profile h100x8",
+            ".venv/bin/onenode pack a2 runs/mine --out submission", "```", "", *hand_in_table())
 
 
 HANDOUT = Handout(
