@@ -21,18 +21,18 @@ from redteam.a2_forgeries import BUDGET, SMALL, STEPS, TINY, TOKENS_PER_STEP
 from test_eval import load_make_reference
 
 from grader.a2 import A2
-from grader.a2.audit import audit_run, trained_shards
-from grader.a2.contamination import contamination
 from grader.a2.intake import load_submission as load_a2_submission
 from grader.a2.job import new_job as new_a2_job
 from grader.a2.job import train_on_stack, trained_run
-from grader.a2.replay import _replayed
 from grader.a2.rubric import load_rubric as load_a2_rubric
 from grader.a2.scoring import verify
 from grader.cohort import grade_cohort
 from grader.errors import SubmissionError
 from grader.rubric import KIT_ROOT
 from grader.sandbox import Limits, make_scratch, run_sandboxed
+from onenode.verify.audit import audit_run, trained_shards
+from onenode.verify.contamination import contamination
+from onenode.verify.replay import _replayed
 
 PASSAGE = ("Now is the winter of our discontent made glorious summer by this sun of York and all the clouds "
            "that lour'd upon our house in the deep bosom of the ocean buried")
@@ -352,7 +352,7 @@ def test_a_grader_without_the_named_tokenizer_says_how_to_get_it(tmp_path, monke
 
 
 def _chain(steps: list[int], device: str = "cpu") -> list:
-    from grader.a2.intake import Link
+    from onenode.verify.intake import Link
 
     layout = {"device": device, "world_size": 1, "threads": 1}
     return [Link(Path(f"step_{s:08d}"), {"step": s, "layout": layout}) for s in steps]
@@ -364,7 +364,7 @@ def test_a_chain_of_uneven_intervals_is_not_replayed(job):
     one interval with a shorter last span is replayed."""
     from types import SimpleNamespace
 
-    from grader.a2.replay import replay_plan
+    from onenode.verify.replay import replay_plan
 
     profile = dataclasses.replace(job.profile, replay_fraction=0.1)
     long_among_short = [*range(0, 46), *range(55, 101)]  # 1-step spans, one of 10 steps in the middle
@@ -383,7 +383,7 @@ def test_each_middle_span_is_drawn_as_often_as_the_detection_figures_say():
     """Spans of one interval, the first and the last always, the others drawn uniformly within the
     budget: how often a forged set of middle spans is drawn is `detection_probability` of the
     run's own spans and draws, which the feedback states."""
-    from grader.a2.replay import choose_spans, detection_line, detection_probability
+    from onenode.verify.replay import choose_spans, detection_line, detection_probability
 
     chain = _chain(list(range(0, 101, 5)))  # 20 spans of 5 steps: 18 in the middle
     draws = [choose_spans(chain, 15, f"seed-{i}") for i in range(3000)]  # 3 random spans a run
@@ -403,8 +403,8 @@ def test_the_node_time_for_a_replay_bounds_its_plan(job):
     (else the run is refused with the interval that would), and the random spans get what they leave."""
     from types import SimpleNamespace
 
-    from grader.a2.intake import Link
-    from grader.a2.replay import replay_plan
+    from onenode.verify.intake import Link
+    from onenode.verify.replay import replay_plan
 
     layout = {"device": "cpu", "world_size": 1, "threads": 1}
     chain = [Link(Path(f"step_{s:08d}"), {"step": s, "layout": layout}) for s in range(0, 1001, 10)]  # 100 spans
@@ -422,7 +422,7 @@ def test_the_node_time_for_a_replay_bounds_its_plan(job):
 
 
 def test_detection_probability_is_the_chance_a_forged_middle_span_is_drawn():
-    from grader.a2.replay import detection_line, detection_probability
+    from onenode.verify.replay import detection_line, detection_probability
 
     assert detection_probability(12, 1, 1) == pytest.approx(0.1)  # 1 of the 10 middle spans drawn
     assert detection_probability(12, 2, 1) == pytest.approx(0.2)
@@ -440,7 +440,7 @@ def test_the_rubrics_detection_figures_are_the_course_baselines_plan():
     checkpointed every 100 (and every 50): they are what the grader's plan for those spans gives."""
     from types import SimpleNamespace
 
-    from grader.a2.replay import detection_line, replay_plan
+    from onenode.verify.replay import detection_line, replay_plan
 
     profile = load_a2_rubric().profile("h100x8")
     for every, odds in ((100, "1% if it forged one span, 11% if it forged 10% of them, 25% if it forged 25%"),
@@ -460,8 +460,8 @@ def _report(accuracy: float, perplexity: float, accuracy_error: float = 0.05, pe
 
 
 def test_a_difference_inside_two_standard_errors_cannot_move_the_points(job):
-    from grader.a2.audit import Check
     from grader.a2.scoring import score
+    from onenode.verify.audit import Check
 
     job._baseline = _report(0.50, 100.0)
 

@@ -14,14 +14,12 @@ import pytest
 import torch
 from redteam.a2_forgeries import BUDGET, FORGERIES, Forgery, Runs
 
-from grader.a2.audit import audit_run
 from grader.a2.intake import load_submission
 from grader.a2.job import new_job
 from grader.a2.rubric import load_rubric
 from grader.a2.scoring import verify
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "grader" / "a2"))
-import replay_harness  # noqa: E402  (a script the grader copies into the sandbox)
+from onenode.verify import replay_harness
+from onenode.verify.audit import audit_run
 
 
 @pytest.fixture(scope="module")

@@ -191,10 +191,10 @@ def test_a_corrupt_megatron_index_is_one_clear_error(tmp_path, both_formats):
 def test_the_a2_audit_and_contamination_check_read_megatron_shards(both_formats, tmp_path):
     """The run's loader names the shards; the audit finds and hashes them in the submitted data/,
     and the contamination check finds a training document that the evaluation text quotes."""
-    from grader.a2.audit import trained_shards
-    from grader.a2.contamination import contamination
-    from grader.a2.intake import A2Submission, Link
     from onenode.data.tokenizer import data_tokenizer
+    from onenode.verify.audit import trained_shards
+    from onenode.verify.contamination import contamination
+    from onenode.verify.intake import A2Submission, Link
 
     root, manifests = both_formats
     found = {}

@@ -309,6 +309,9 @@ def test_a2_release_is_the_fixed_stack(tmp_path):
     bundle = release(ASSIGNMENTS["a2"], tmp_path / "student", tmp_path / "course")
     moe = (bundle / "starter_code" / "onenode" / "model" / "moe.py").read_text()
     assert "grouped_mm" in moe, "the A2 starter must carry the reference A1 fix"
+    # the grader's verification ships as `onenode verify`, and the README says to run it
+    assert (bundle / "starter_code" / "onenode" / "verify" / "replay_harness.py").is_file()
+    assert ".venv/bin/onenode verify runs/mine" in (bundle / "README.md").read_text()
     assert (bundle / "report.ipynb").is_file() and (bundle / "a2_pretrain" / "recipes" / "baseline.yaml").is_file()
     markers = (b"BEGIN HIDDEN TESTS", b"BEGIN SOLUTION")
     assert not [p for p in _files(bundle) if any(marker in p.read_bytes() for marker in markers)]

@@ -12,14 +12,17 @@ An A2 submission is a folder (the run folder of `onenode train`):
     data/             the data folder it trained on (manifest.json and the shards; none for
                       synthetic tokens)
 
-Nothing of the submission's code runs: `intake.py` checks the folder, `audit.py` reads JSON,
-YAML and safetensors headers and hashes the shards, `replay.py` has the grader's pristine A2
-stack re-create the initialisation, hash every checkpoint, recompute the data order and replay
-spans of the run inside `grader.sandbox` (`replay_harness.py`), `contamination.py` scans the
-shards trained on, and `evaluation.py` has the kit's own evaluation code read the weights in the
-sandbox: checkpoints are untrusted input. `job.py` holds the suite, its text, the baseline and
-the A2 stack, `scoring.py` the points, `rubric.py` reads `a2_pretrain/rubric.toml`, `tables.py`
-makes its rows. Students start from the fixed stack: the starter with the reference A1 patch.
+Nothing of the submission's code runs. The verification is the kit's (`onenode.verify`, the code
+`onenode verify` runs on a student's own run), imported from the grader's pristine copy:
+`intake.py` turns its refusal of the folder into the submission's zero, `onenode.verify.audit`
+reads JSON, YAML and safetensors headers and hashes the shards, `replay.py` runs the replay
+harness (`onenode.verify.replay_harness`) of the grader's pristine A2 stack inside
+`grader.sandbox` to re-create the initialisation, hash every checkpoint, recompute the data order
+and replay spans, `onenode.verify.contamination` scans the shards trained on, and `evaluation.py`
+has the kit's own evaluation code read the weights in the sandbox: checkpoints are untrusted
+input. `job.py` holds the suite, its text, the baseline and the A2 stack, `scoring.py` the points,
+`rubric.py` reads `a2_pretrain/rubric.toml`, `tables.py` makes its rows.
+Students start from the fixed stack: the starter with the reference A1 patch.
 """
 
 from __future__ import annotations
@@ -58,14 +61,17 @@ def job_from_args(rubric: A2Rubric, profile: str, workdir: Path, args: argparse.
 
 
 def submit_lines() -> tuple[str, ...]:
-    """The release README's Submit section: the pack command and the hand-in list, which the
-    intake refuses an incomplete submission by (`onenode.handin.A2_HAND_IN`)."""
+    """The release README's Submit section: the verify and pack commands and the hand-in list,
+    which the intake refuses an incomplete submission by (`onenode.handin.A2_HAND_IN`)."""
     from onenode.handin import hand_in_table
 
     return ("One folder: the run folder that `onenode train` wrote, the data folder it trained on, and your "
-            "report. `onenode pack a2` checks the run as the grader's intake does and copies them into it; hand it "
-            "in on the node's shared storage, as the course says.", "",
-            "```bash", ".venv/bin/onenode pack a2 runs/mine --out submission", "```", "", *hand_in_table())
+            "report. `onenode verify` runs the grader's verification of the run on your install (passing it is "
+            "necessary, not sufficient: the grading replays spans of its own choosing and scores the evaluation); "
+            "`onenode pack a2` checks the run as the grader's intake does and copies them into it; hand it in on the "
+            "node's shared storage, as the course says.", "",
+            "```bash", ".venv/bin/onenode verify runs/mine --profile h100x8",
+            ".venv/bin/onenode pack a2 runs/mine --out submission", "```", "", *hand_in_table())
 
 
 HANDOUT = Handout(

@@ -8,15 +8,18 @@ import math
 import shutil
 from pathlib import Path
 
+from onenode.verify import verify_run
+from onenode.verify.audit import Check
+from onenode.verify.intake import A2Submission, RunFolderError
+
 from ..assignment import Graded
+from ..errors import SubmissionError
 from ..report import test_entry
 from ..rubric import tier_share
-from .audit import Check, audit_run, trained_shards
-from .contamination import contamination
 from .evaluation import evaluate_sandboxed
-from .intake import A2Submission, load_submission
+from .intake import load_submission
 from .job import A2Job
-from .replay import replay_checks
+from .replay import run_harness
 from .rubric import TITLES
 
 
@@ -114,16 +117,16 @@ def run_facts(sub: A2Submission) -> dict:
 
 
 def verify(job: A2Job, sub: A2Submission, logs: Path, threads: int | None = None) -> tuple[list[Check], dict]:
-    """Every check that makes a run verified, and what the replay cost: the audit (chain,
-    budget by the chain, manifest, logs, checkpoint), the shards trained on (hashed), the replay
-    (initialisation, weights, final weights, data order, spans), contamination of the shards."""
-    checks = audit_run(sub, job.profile.token_budget)
-    shards, data = trained_shards(sub)
-    replayed, cost = replay_checks(sub, job.profile, job.stack, f"{job.seed}:{sub.name}", logs, threads)
-    checks += [data, *replayed]
-    checks.append(contamination(sub, shards, job.evaluation_text(), job.profile.threads) if data.ok else
-                  Check("contamination", False, "not checked: the data trained on is not verified (see data)"))
-    return checks, cost
+    """Every check that makes a run verified, and what the replay cost (`onenode.verify.verify_run`,
+    the code `onenode verify` runs): the kit's checks in this process, the replay's harness on the
+    job's pristine A2 stack in the sandbox, the spans drawn by the job's seed and the submission's
+    name, the contamination check against the profile's suite."""
+    try:
+        return verify_run(sub, job.profile, f"{job.seed}:{sub.name}",
+                          lambda spans: run_harness(sub, job.stack, spans, job.profile, logs, threads),
+                          job.evaluation_text)
+    except RunFolderError as e:
+        raise SubmissionError(str(e)) from None
 
 
 def grade(job: A2Job, path: Path, work: Path, logs: Path) -> Graded:

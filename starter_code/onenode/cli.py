@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "eval": "onenode.eval.cli",
     "convert": "onenode.model.cli",
     "pack": "onenode.pack",
+    "verify": "onenode.verify.cli",
 }
 
 # The optional dependencies (pyproject.toml's extras), by the module a missing one fails to import.

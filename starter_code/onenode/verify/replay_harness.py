@@ -1,12 +1,14 @@
-"""The grader's replay harness: runs INSIDE the sandbox, on the grader's pristine A2 stack.
+"""The replay harness: runs as a child process, on the grader's pristine A2 stack inside the
+sandbox (`grader/a2/replay.py`), or on a student's own install for `onenode verify`
+(`replay.replay_here`).
 
-Self-contained on purpose (copied into the scratch folder and run as a script): it imports
-nothing from `grader`, only the `onenode` of the scratch copy (the starter with the reference A1
-patch), so what it computes does not depend on the submission's code. The submission's files
-are input, read through the trainer's safe loader (no pickle runs code). Under torchrun every
-rank reads its own batches; rank 0 writes the report.
+Self-contained on purpose: it imports nothing from `grader`, only the `onenode` of the install
+it runs from (the grader's: the starter with the reference A1 patch, so what it computes does not
+depend on the submission's code). The submission's files are input, read through the trainer's
+safe loader (no pickle runs code). Under torchrun every rank reads its own batches; rank 0 writes
+the report.
 
-    python replay_harness.py plan.json        # writes replay.json beside it
+    python -m onenode.verify.replay_harness plan.json        # writes replay.json beside it
 
 plan.json: {"run": the submission folder, "final": a copy of its final/ folder,
             "data": its data folder or null (synthetic data),
