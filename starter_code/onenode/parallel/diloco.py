@@ -23,7 +23,8 @@ What the kit adds around it:
 - the routers' balancing biases are buffers, not parameters: averaged over the groups at each sync,
   so every group holds the same model;
 - one process in bf16 casts its masters into copies once per step: a sync wrote the masters, so the
-  copies are refreshed;
+  next forward refreshes the copies (the version check sees the outer SGD's writes; torch's fused
+  kernels on CUDA count none, so the sync marks them itself);
 - what a checkpoint (at a sync) needs besides the model and the inner optimizer: the outer momentum
   and torchft's step count (`state_dict`). torchft's DiLoCo is made at the first step, so that it
   takes its copy of the last sync's parameters from what a resumed run loaded.
