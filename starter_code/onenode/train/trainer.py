@@ -237,7 +237,6 @@ class Trainer:
                 **environment(self.world), "commit": git_commit(), "loader": self.loader.state_dict()}
 
     def manifest(self, status: str, wall_s: float) -> dict:
-        r = self.recipe
         total, active = count_parameters(self.config)
         tail = self.losses[-10:]
         return {
@@ -255,7 +254,7 @@ class Trainer:
             "total_steps": self.total_steps,
             **self._data_digest(),
             "data_tokens_served": self._sum_over_replicas(self._sum_over_dp(self.loader.tokens_served)),
-            **({"diloco": {"replica_group": self.replica, **vars(r.parallel.diloco)}} if self.diloco else {}),
+            **({"diloco": {"replica_group": self.replica}} if self.diloco else {}),
             "final_losses": {
                 "train": self.losses[-1] if self.losses else None,
                 "train_mean_last_10": sum(tail) / len(tail) if tail else None,
