@@ -28,6 +28,7 @@ EXTRAS = {
     "lm_eval": "eval", "accelerate": "eval",
     "nbgrader": "course", "jupyter": "course", "matplotlib": "course", "nbformat": "course", "nbclient": "course",
     "megatron": "megatron",  # megatron-core
+    "torchft": "diloco",
 }
 
 

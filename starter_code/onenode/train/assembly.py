@@ -9,24 +9,29 @@ A2's replay too) and the A1 grader's harness (the grader's batches and evidence)
 `assemble`, so a speed-up wired here is what all of them run, and the step the grader times is the
 step `onenode bench` measures with the same recipe fields. The order of what is applied to the model
 (compile, activation checkpointing, expert parallelism, pipeline stages, FSDP and the precision)
-lives in `parallelize`; the recipe only says which.
+lives in `parallelize`; the recipe only says which. With `parallel.diloco` the run is one replica group
+of a DiLoCo run (`parallel/diloco.py`): its step syncs with the other groups every H steps.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..model import build_model
 from ..model.config import NemotronHConfig
 from ..parallel import ParallelDims, ParallelModel, parallelize
 from ..parallel.compile_and_checkpoint import cuda_graph_skips
+from ..parallel.diloco import ReplicaGroups, replica_group
 from ..parallel.distributed import init_distributed, local_device
 from .balance import RouterBalancer
+from .optim import optimizers_of
 from .recipe import Recipe, RecipeError
 from .step import build_optimizer, train_step
 
@@ -53,6 +58,7 @@ class Layout:
     pp: int
     micro_batch: int  # sequences per forward on one rank
     accumulation: int  # micro-batches per optimizer step
+    replicas: int = 1  # DiLoCo replica groups (each a job of `world` processes) the global batch splits over
 
     @property
     def dims(self) -> ParallelDims:
@@ -77,15 +83,17 @@ def resolve_layout(recipe: Recipe, world: int) -> Layout:
     if p.ep > 1 and world == 1:
         raise RecipeError(f"recipe: parallel.ep {p.ep} needs as many processes: launch with torchrun "
                           f"--nproc-per-node {p.ep}")
-    micro = t.micro_batch_size or t.global_batch_size // dp
-    if micro < 1 or t.global_batch_size % (micro * dp):
+    replicas = p.diloco.replicas if p.diloco.inner_steps else 1
+    micro = t.micro_batch_size or t.global_batch_size // (dp * replicas)
+    if micro < 1 or t.global_batch_size % (micro * dp * replicas):
+        groups = f" x {replicas} DiLoCo replica groups" if replicas > 1 else ""
         raise RecipeError(f"recipe: train.global_batch_size {t.global_batch_size} is not a multiple of "
-                          f"micro_batch_size {micro} x dp {dp}")
-    accumulation = t.global_batch_size // (micro * dp)
+                          f"micro_batch_size {micro} x dp {dp}{groups}")
+    accumulation = t.global_batch_size // (micro * dp * replicas)
     if p.pp > 1 and accumulation > 1:
         raise RecipeError("recipe: train.micro_batch_size: with parallel.pp > 1 leave it 0 (the pipeline splits "
                           "each rank's batch into its own microbatches)")
-    return Layout(world, dp, p.ep, p.pp, micro, accumulation)
+    return Layout(world, dp, p.ep, p.pp, micro, accumulation, replicas)
 
 
 @dataclass
@@ -100,6 +108,8 @@ class TrainingRun:
     parallel: ParallelModel
     optimizer: torch.optim.Optimizer
     balancer: RouterBalancer
+    replica: int = 0  # this DiLoCo replica group (0 without DiLoCo)
+    diloco: ReplicaGroups | None = None
 
     @property
     def dp_group(self):
@@ -116,6 +126,10 @@ class TrainingRun:
         """One optimizer step on this rank's batch (its `accumulation` micro-batches), at the
         optimizer's current learning rate, then the routers' rebalancing: {"loss", "grad_norm",
         ("aux_loss"), and the balancer's record}."""
+        inner_step = functools.partial(self._inner_step, input_ids, labels)
+        return inner_step() if self.diloco is None else self.diloco.step(inner_step)
+
+    def _inner_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
         t, coef = self.recipe.train, self.recipe.moe.aux_loss_coef
         if t.cuda_graphs:  # a new step: replay the graphs, do not wait for the last step's backwards
             torch.compiler.cudagraph_mark_step_begin()
@@ -124,6 +138,18 @@ class TrainingRun:
                          aux_loss_fn=self.balancer.pop_aux_loss if coef > 0 else None, aux_loss_coef=coef,
                          fused_update=t.fused_update)
         return {**out, **self.balancer.finish_step(self.recipe.moe.bias_update_rate, group=self.dp_group)}
+
+    def inner_state_dict(self) -> dict:
+        """The model and the inner optimizer: what torchft sends a DiLoCo group that comes back behind."""
+        model, optim = get_state_dict(self.parallel.model, optimizers_of(self.optimizer))
+        return {"model": model, "optim": optim}
+
+    def load_inner_state_dict(self, state: dict) -> None:
+        """A live group's model and inner optimizer, in place of this group's (torchft's healing)."""
+        set_state_dict(self.parallel.model, optimizers_of(self.optimizer), model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        if self.parallel.master_weights is not None:
+            self.parallel.master_weights.masters_changed()
 
     def cuda_graph_note(self) -> str | None:
         """One line when CUDA graphs were asked for and some compiled layers run without them."""
@@ -175,4 +201,26 @@ def assemble(recipe: Recipe, *, device: torch.device | str | None = None,
     if recipe.moe.aux_loss_coef > 0 and parallel.pipeline is not None:
         raise RecipeError("recipe: moe.aux_loss_coef needs parallel.pp: 1 (pipeline stages compute their own loss)")
     balancer = RouterBalancer(parallel, aux_loss=recipe.moe.aux_loss_coef > 0)
-    return TrainingRun(recipe, config, device, rank, layout, parallel, optimizer, balancer)
+    run = TrainingRun(recipe, config, device, rank, layout, parallel, optimizer, balancer)
+    if layout.replicas > 1:
+        run.replica, run.diloco = _join_replica_groups(run, world)
+    return run
+
+
+def _join_replica_groups(run: TrainingRun, world: int) -> tuple[int, ReplicaGroups]:
+    """This process's replica group and its torchft Manager (`parallel/diloco.py`)."""
+    d = run.recipe.parallel.diloco
+    try:
+        import torchft  # noqa: F401
+    except ModuleNotFoundError as e:
+        raise RecipeError(f"recipe: parallel.diloco needs torchft ({e.name} is not installed): "
+                          "pip install 'onenode[diloco]'") from None
+    try:
+        replica = replica_group(d.replicas)
+        groups = ReplicaGroups(run.parallel, replicas=d.replicas, replica=replica, inner_steps=d.inner_steps,
+                               outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, rank=run.rank, world=world,
+                               state_dict=run.inner_state_dict, load_state_dict=run.load_inner_state_dict,
+                               buffers=[router.e_score_correction_bias for router in run.balancer.routers.values()])
+    except ValueError as e:
+        raise RecipeError(f"recipe: {e}") from None
+    return replica, groups

@@ -9,7 +9,7 @@
     optimizer: {name: adamw, lr: 3.0e-3}
     schedule: {name: wsd, warmup_fraction: 0.05, decay_fraction: 0.2, decay_shape: 1-sqrt}
     moe: {bias_update_rate: 1.0e-3, aux_loss_coef: 0.0}
-    parallel: {dp: -1, ep: 1, pp: 1}
+    parallel: {dp: -1, ep: 1, pp: 1}                 # + diloco: {inner_steps: H, ...} (off by default)
     checkpoint: {every_steps: 50, keep_last: 2}
     eval: {every_steps: 50, batches: 4}
     log: {every_steps: 1}
@@ -125,12 +125,25 @@ class MoESection:
 
 
 @dataclass
+class DiLoCoSection:
+    # DiLoCo (Douillard et al. 2023; parallel/diloco.py): `replicas` replica groups, each its own job,
+    # train apart on their own slices of the data and sync every `inner_steps` steps: the outer
+    # Nesterov SGD step on the replica-mean of (parameters at the last sync - parameters now).
+    # 0: off. global_batch_size counts every replica's sequences, so the budget counts their tokens.
+    inner_steps: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    replicas: int = 2
+
+
+@dataclass
 class ParallelSection:
-    dp: int = -1  # -1: whatever the world size leaves after ep and pp
+    dp: int = -1  # -1: whatever the world size leaves after ep and pp (within one DiLoCo replica group)
     ep: int = 1
     pp: int = 1
     pp_schedule: str = "1f1b"  # with pp > 1: gpipe | 1f1b | interleaved_1f1b (parallel/pipeline.py)
     microbatches: int = 0  # with pp > 1: pipeline microbatches per step; 0: pp
+    diloco: DiLoCoSection = field(default_factory=DiLoCoSection)
 
 
 @dataclass
@@ -207,6 +220,8 @@ class Recipe:
         sections = ("seed", "model", "data", "train", "optimizer", "schedule", "moe", "parallel")
         decisive = {key: d[key] for key in sections}
         decisive["data"] = {k: v for k, v in decisive["data"].items() if k not in ("source", "path")}
+        if not self.parallel.diloco.inner_steps:  # off: the hash a recipe had before DiLoCo was an option
+            decisive["parallel"] = {k: v for k, v in decisive["parallel"].items() if k != "diloco"}
         return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
 
     def with_overrides(self, overrides: dict) -> Recipe:
@@ -221,6 +236,9 @@ class Recipe:
 
     def validate(self) -> Recipe:
         t, o, s = self.train, self.optimizer, self.schedule
+        d = self.parallel.diloco
+        diloco = d.inner_steps > 0
+        steps = self.total_steps if self.tokens_per_step > 0 else 0
         checks = [
             ("train.token_budget", t.token_budget > 0, "must be a positive number of tokens"),
             ("train.seq_len", t.seq_len > 0, "must be positive"),
@@ -254,6 +272,21 @@ class Recipe:
             ("parallel.ep", self.parallel.ep >= 1, "must be >= 1"),
             ("parallel.pp", self.parallel.pp >= 1, "must be >= 1"),
             ("parallel.microbatches", self.parallel.microbatches >= 0, "must be >= 0 (0: pp)"),
+            ("parallel.diloco.inner_steps", d.inner_steps >= 0, "must be >= 0 (0: DiLoCo off)"),
+            ("parallel.diloco.outer_lr", d.outer_lr > 0, "must be positive (the paper's: 0.7)"),
+            ("parallel.diloco.outer_momentum", 0 <= d.outer_momentum < 1,
+             "is in [0, 1) (the paper's Nesterov momentum: 0.9)"),
+            ("parallel.diloco.replicas", not diloco or d.replicas >= 2,
+             "must be >= 2 replica groups (or inner_steps: 0, DiLoCo off)"),
+            ("parallel.diloco.inner_steps", not diloco or steps % d.inner_steps == 0,
+             f"{d.inner_steps} does not divide the run's {steps} steps (token_budget // (global_batch_size "
+             "x seq_len)): the last outer step would be cut short"),
+            ("train.global_batch_size", not diloco or t.global_batch_size % d.replicas == 0,
+             f"{t.global_batch_size} sequences do not split over parallel.diloco.replicas {d.replicas} replica groups"),
+            ("checkpoint.every_steps", not diloco or self.checkpoint.every_steps % d.inner_steps == 0,
+             f"with parallel.diloco a checkpoint falls on a sync: use a multiple of inner_steps {d.inner_steps}"),
+            ("parallel.pp", not diloco or self.parallel.pp == 1,
+             "must be 1 with parallel.diloco (replica groups run without pipeline stages)"),
             ("checkpoint.keep_last", self.checkpoint.keep_last >= 0, "must be >= 0 (0: keep every checkpoint)"),
             ("checkpoint.every_steps", self.checkpoint.every_steps >= 0, "must be >= 0 (0: only at the end)"),
             ("eval.every_steps", self.eval.every_steps >= 0, "must be >= 0 (0: only at the end)"),

@@ -14,6 +14,10 @@ checkpoint's), with what replaying the span between them needs (seed, layout, ve
 position; `checkpoint.py`). Resuming is exact, so the grader replays spans of the chain and must
 get the later checkpoint back.
 
+A DiLoCo run (`parallel.diloco`) is one such trainer per replica group, each on its own slice of
+the data: the counts are of every group's tokens (the global batch spans the groups), checkpoints
+fall on syncs, and a group but the first writes its folder in `replica_{r}/` under the run's.
+
 Run folder: `metrics.jsonl` (+ `tensorboard/`), `checkpoints/step_*/`, `final/` (transformers
 layout + run_manifest.json), `run_manifest.json`, `recipe.yaml` (the resolved recipe),
 `loss_curves.png` (with matplotlib).
@@ -56,14 +60,17 @@ class Trainer:
         """`resume`: "auto" (the latest checkpoint in out_dir, if any), None (start fresh) or a
         checkpoint folder."""
         self.recipe = recipe
-        self.out_dir = Path(out_dir)
         self.run = assemble(recipe)
+        self.replica, self.diloco = self.run.replica, self.run.diloco
+        self.out_dir = Path(out_dir) / f"replica_{self.replica}" if self.replica else Path(out_dir)
         self.rank, self.world = self.run.rank, self.run.layout.world
         self.device, self.config, self.total_steps = self.run.device, self.run.config, recipe.total_steps
         self.parallel, self.optimizer, self.balancer = self.run.parallel, self.run.optimizer, self.run.balancer
         self.dp, self.micro_batch, self.accumulation = (self.run.layout.dp, self.run.layout.micro_batch,
                                                         self.run.layout.accumulation)
         self.dp_group, self.dp_rank = self.run.dp_group, self.run.dp_rank
+        # the data falls in slices over every data-parallel rank of every DiLoCo replica group
+        self.data_rank, self.data_ranks = self.replica * self.dp + self.dp_rank, self.run.layout.replicas * self.dp
         self.loader = self._loader("train")
 
         self.step = 0
@@ -84,12 +91,12 @@ class Trainer:
             from .synthetic import SyntheticLoader
 
             return SyntheticLoader(self.config.vocab_size, t.seq_len, self.micro_batch, seed=self.recipe.seed,
-                                   rank=self.dp_rank, world_size=self.dp, split=split)
+                                   rank=self.data_rank, world_size=self.data_ranks, split=split)
         from ..data import MixtureLoader
 
         loader = MixtureLoader(self._data_dir(), self.micro_batch, t.seq_len, split=split,
                                weights=d.mixture or None, seed=self.recipe.seed,
-                               rank=self.dp_rank, world_size=self.dp)
+                               rank=self.data_rank, world_size=self.data_ranks)
         return loader
 
     def _data_dir(self) -> Path:
@@ -152,6 +159,8 @@ class Trainer:
         self.step, self.tokens_seen, self.losses = state["step"], state["tokens_seen"], list(state["losses"])
         self.loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
+        if self.diloco is not None:
+            self.diloco.load_state_dict(state["diloco"])
         if self.rank == 0:
             print(f"resumed from {path} at step {self.step} ({self.tokens_seen:,} tokens)")
         return True
@@ -192,8 +201,11 @@ class Trainer:
 
     # -- the run -------------------------------------------------------------------------------
     def _trainer_state(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "losses": self.losses,
-                "loader": self.loader.state_dict(), "rng": rng_state()}
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "losses": self.losses,
+                 "loader": self.loader.state_dict(), "rng": rng_state()}
+        if self.diloco is not None:
+            state["diloco"] = self.diloco.state_dict()
+        return state
 
     def save(self) -> Path:
         """Checkpoint this step, chained to the previous checkpoint (collective)."""
@@ -241,7 +253,8 @@ class Trainer:
             "steps": self.step,
             "total_steps": self.total_steps,
             **self._data_digest(),
-            "data_tokens_served": self._sum_over_dp(self.loader.tokens_served),
+            "data_tokens_served": self._sum_over_replicas(self._sum_over_dp(self.loader.tokens_served)),
+            **({"diloco": {"replica_group": self.replica}} if self.diloco else {}),
             "final_losses": {
                 "train": self.losses[-1] if self.losses else None,
                 "train_mean_last_10": sum(tail) / len(tail) if tail else None,
@@ -280,6 +293,10 @@ class Trainer:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=self.dp_group)
         return int(t.item())
+
+    def _sum_over_replicas(self, value: int) -> int:
+        """Tokens served by every DiLoCo replica group together (collective over the groups)."""
+        return value if self.diloco is None else round(self.diloco.sum_over_groups(value))
 
     @staticmethod
     def _log_line(record: dict, end_step: int, seconds_per_step: float) -> str:
@@ -355,7 +372,9 @@ class Trainer:
         if r.checkpoint.enabled and self.step != self.previous_checkpoint["step"]:
             self.save()
         manifest = self.manifest("finished" if finished else "stopped", time.perf_counter() - start)
-        if finished and r.checkpoint.export_hf:
+        if self.diloco is not None:
+            self.diloco.close()
+        if finished and r.checkpoint.export_hf and not self.replica:  # every DiLoCo group ends with the same model
             final = export_final(self.parallel, self.config, self.out_dir / "final", manifest)
             if final is not None and r.data.source != "synthetic":  # evaluation needs the tokenizer beside the weights
                 from ..eval.model import attach_tokenizer
