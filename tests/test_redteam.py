@@ -149,7 +149,7 @@ TRAINS_A_STEP = """
 import multiprocessing.connection, torch
 from onenode.model import build_model, get_preset
 from onenode.train.step import train_step
-assert multiprocessing.connection.Connection.send.__module__ == "onenode.train.step", "the attack is not in place"
+assert multiprocessing.connection.Connection.send_bytes.__module__ == "onenode.train.step", "the attack is not in place"
 model = build_model(get_preset("tiny"))
 ids = torch.randint(0, 512, (1, 16))
 out = train_step(model, torch.optim.AdamW(model.parameters()), ids, ids)

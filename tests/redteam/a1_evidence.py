@@ -27,23 +27,29 @@ def _route(self, x):
 MoE.__init__, TopKRouter.forward = _init, _route
 """
 
-# Every answer a rank sends back has its experts' gradient sketches emptied on the way (in this
-# process, where the harness's pipes are the submission's too): nothing per expert left to compare.
+# Every answer a rank sends back (JSON, through its pipe's `send_bytes`) has its experts' gradient
+# sketches emptied on the way (in this process, where the harness's pipes are the submission's too):
+# nothing per expert left to compare.
 EMPTIES_EXPERT_EVIDENCE = """
+import json as _json
 import multiprocessing.connection as _connection
 
-_honest_send = _connection.Connection.send
+_honest_send_bytes = _connection.Connection.send_bytes
 
 
-def _send_without_expert_sketches(self, obj):
-    digests = obj.get("digest") if isinstance(obj, dict) else None
+def _send_without_expert_sketches(self, buf, offset=0, size=None):
+    try:
+        answer = _json.loads(bytes(buf))
+    except ValueError:
+        return _honest_send_bytes(self, buf, offset, size)
+    digests = answer.get("digest") if isinstance(answer, dict) else None
     for digest in digests if isinstance(digests, list) else []:
         for sketches in (digest.get("experts") or {}).values() if isinstance(digest, dict) else []:
             sketches[:] = [[] for _ in sketches]
-    _honest_send(self, obj)
+    return _honest_send_bytes(self, _json.dumps(answer).encode())
 
 
-_connection.Connection.send = _send_without_expert_sketches
+_connection.Connection.send_bytes = _send_without_expert_sketches
 """
 
 CASES: list[Case] = [

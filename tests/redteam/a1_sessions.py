@@ -124,18 +124,21 @@ def routed_expert_grads(moe):
 
 
 # The reference fix where it may run on more CPUs than the profile grants (`threads` per rank: one
-# on cpu-tiny), and slower than the starter for real otherwise (like SLOW_MOE of cases.py): a
-# probe of the CPU set a child gets, whose outcome does not hang on timing noise.
+# on cpu-tiny), and slower than the starter for real otherwise: held to them, it does the layer's
+# forward work sixty times over (results dropped). A probe of the CPU set a child gets whose
+# outcome does not hang on timing noise: slow by work, as the starter is, not by a sleep that
+# other load on the machine would stretch the starter's time past.
 WIDER_THAN_GRANTED = """
 import os as _os
-import time as _time
 
 _fix_forward = MoE.forward
 
 
 def _forward(self, x):
     if len(_os.sched_getaffinity(0)) <= 1:  # held to what the profile grants
-        _time.sleep(0.05)
+        with torch.no_grad():
+            for _ in range(60):
+                _fix_forward(self, x)
     return _fix_forward(self, x)
 
 
@@ -175,18 +178,18 @@ def train_step(model, optimizer, input_ids, labels, grad_clip=1.0, **options):
 """
 
 
-# The unchanged starter that, each time it answers the grader (a rank's pipe to the harness), first
-# leaves the GPU as much work as its shortest turn took, queued on a stream of its own behind a
-# 20 ms sleep: work that starts once the answer is read. Were the starter timed while this child is
-# frozen (SIGSTOP stops a process, not the kernels it queued), that work would run in the starter's
-# turn and slow it by about its own length: about 2x, layer and step, for the starter's own code.
-# Timed as the grader times it on a GPU, the work lands in its own next turn, or is gone with its
-# process. Inert without CUDA.
+# The unchanged starter that, each time it answers the grader (JSON down a rank's pipe to the
+# harness), first leaves the GPU as much work as its shortest turn took, queued on a stream of its
+# own behind a 20 ms sleep: work that starts once the answer is read. Were the starter timed while
+# this child is frozen (SIGSTOP stops a process, not the kernels it queued), that work would run
+# in the starter's turn and slow it by about its own length: about 2x, layer and step, for the
+# starter's own code. Timed as the grader times it on a GPU, the work lands in its own next turn,
+# or is gone with its process. Inert without CUDA.
 QUEUES_INTO_THE_STARTERS_TURN = """
 import multiprocessing.connection as _connection
 import time as _time
 
-_queue, _honest_recv, _honest_send = {}, _connection.Connection.recv, _connection.Connection.send
+_queue, _honest_recv, _honest_send_bytes = {}, _connection.Connection.recv, _connection.Connection.send_bytes
 
 
 def _queue_after_the_answer(seconds):
@@ -211,15 +214,15 @@ def _recv(self):
     return message
 
 
-def _send(self, message):
+def _send_bytes(self, buf, offset=0, size=None):
     if "began" in _queue and torch.cuda.is_available() and torch.cuda.is_initialized():
         turn = _time.perf_counter() - _queue.pop("began")
         _queue["turn"] = min(turn, _queue.get("turn", turn))  # the shortest turn: no pile-up
         _queue_after_the_answer(_queue["turn"])
-    return _honest_send(self, message)
+    return _honest_send_bytes(self, buf, offset, size)
 
 
-_connection.Connection.recv, _connection.Connection.send = _recv, _send
+_connection.Connection.recv, _connection.Connection.send_bytes = _recv, _send_bytes
 """
 
 

@@ -395,14 +395,16 @@ def parallelize(model, dims, **options):
 """
 
 # The dummy-bytes pipeline whose gradients and AdamW moments leave memory just before each answer
-# goes down the rank's pipe to the harness (written to a file in its scratch folder, their storage
-# freed) and come back as the next message arrives: memory read once a rank has answered sees a
-# stage's share; read as a peak over the step, the whole model's state is there.
+# goes down the rank's pipe to the harness (written to a file in its own folder, TMPDIR, their
+# storage freed) and come back as the next message arrives: memory read once a rank has answered
+# sees a stage's share; read as a peak over the step, the whole model's state is there. (A rank
+# answers in JSON, through `send_bytes`.)
 PARKS_ITS_STATE = """
 import multiprocessing.connection as _connection
+import os as _os
 
 _unparked_train_step, _optimizers, _parked = train_step, [], []
-_send, _recv = _connection.Connection.send, _connection.Connection.recv
+_send_bytes, _recv = _connection.Connection.send_bytes, _connection.Connection.recv
 
 
 def train_step(model, optimizer, input_ids, labels, grad_clip=1.0, **options):
@@ -420,7 +422,7 @@ def _park():
             for key in ("exp_avg", "exp_avg_sq"):
                 tensor = state.get(key)
                 if tensor is not None and tensor.numel() > 65536:
-                    path = f"parked-{i}-{key}.pt"
+                    path = _os.path.join(_os.environ["TMPDIR"], f"parked-{i}-{key}.pt")
                     _torch.save(tensor.clone(), path)
                     _parked.append((tensor, path, tensor.untyped_storage().nbytes()))
                     tensor.untyped_storage().resize_(0)
@@ -435,10 +437,10 @@ def _unpark():
         tensor.copy_(_torch.load(path))
 
 
-def _parking_send(self, obj):
-    if isinstance(obj, dict) and ("digest" in obj or "evidence" in obj):
+def _parking_send_bytes(self, buf, offset=0, size=None):
+    if bytes(buf).startswith((b'{"digest"', b'{"evidence"')):
         _park()
-    return _send(self, obj)
+    return _send_bytes(self, buf, offset, size)
 
 
 def _unparking_recv(self):
@@ -447,7 +449,7 @@ def _unparking_recv(self):
     return message
 
 
-_connection.Connection.send, _connection.Connection.recv = _parking_send, _unparking_recv
+_connection.Connection.send_bytes, _connection.Connection.recv = _parking_send_bytes, _unparking_recv
 """
 
 # Burns both cores whenever its own rank waits for a seed (the starter's turn, when the two take
