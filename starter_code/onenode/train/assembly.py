@@ -197,7 +197,7 @@ def assemble(recipe: Recipe, *, device: torch.device | str | None = None,
     o = recipe.optimizer
     muon = vars(o.muon) if o.name == "muon" else {}
     optimizer = build_optimizer(parallel, o.name, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
-                                eps=o.eps, **muon)
+                                eps=o.eps, moments=o.moments, **muon)
     if recipe.moe.aux_loss_coef > 0 and parallel.pipeline is not None:
         raise RecipeError("recipe: moe.aux_loss_coef needs parallel.pp: 1 (pipeline stages compute their own loss)")
     balancer = RouterBalancer(parallel, aux_loss=recipe.moe.aux_loss_coef > 0)

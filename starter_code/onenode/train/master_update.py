@@ -36,8 +36,9 @@ CHUNK = 16  # parameters per compiled call: bounds each graph's size (and compil
 
 def applies(weights: MasterWeights | None, optimizer, accumulation_steps: int) -> bool:
     """Whether this step can be the fused one: bf16 copies over float32 masters, one micro-batch,
-    plain AdamW."""
-    if weights is None or accumulation_steps != 1 or type(optimizer) is not torch.optim.AdamW:
+    plain AdamW (its moments in the parameters' dtype or in `AdamWCompactMoments`'s)."""
+    if weights is None or accumulation_steps != 1 or type(optimizer) not in (torch.optim.AdamW,
+                                                                               AdamWCompactMoments):
         return False
     return not any(group["amsgrad"] or group["maximize"] or group["differentiable"]
                    for group in optimizer.param_groups)
@@ -45,13 +46,18 @@ def applies(weights: MasterWeights | None, optimizer, accumulation_steps: int) -
 
 def _state(optimizer: torch.optim.AdamW, group: dict, param: torch.Tensor) -> dict:
     """`param`'s AdamW state, made as torch's AdamW makes it on its first step (a step count on the
-    device for its fused and capturable kinds, else on the host; both moments zero)."""
+    device for its fused and capturable kinds, else on the host; both moments zero), its moments in
+    the optimizer's `moments_dtype` where it has one (a loaded state is cast back to it: torch's
+    `load_state_dict` casts every state tensor to its parameter's dtype)."""
     state = optimizer.state[param]
+    dtype = getattr(optimizer, "moments_dtype", param.dtype)
     if not state:
         on_device = group["fused"] or group["capturable"]
         state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if on_device else None)
-        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+    elif state["exp_avg"].dtype != dtype:
+        state["exp_avg"], state["exp_avg_sq"] = state["exp_avg"].to(dtype), state["exp_avg_sq"].to(dtype)
     return state
 
 
@@ -60,16 +66,22 @@ def _adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list
            lr: torch.Tensor, coef: torch.Tensor, beta1: float, beta2: float, eps: float,
            weight_decay: float) -> None:
     """torch's AdamW step on float32 `params` from gradients of any float dtype times `coef`, each
-    updated parameter also written into its copy (None: it has none)."""
+    updated parameter also written into its copy (None: it has none). Moments stored in a narrower
+    dtype (`AdamWCompactMoments`) are updated in the parameters' dtype and rounded once to their own."""
     for param, grad, exp_avg, exp_avg_sq, step, copy in zip(params, grads, exp_avgs, exp_avg_sqs, steps, copies):
         step.add_(1)
         grad = grad.to(param.dtype) * coef
         param.mul_(1 - lr * weight_decay)
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        compact = exp_avg.dtype != param.dtype
+        m, v = (exp_avg.to(param.dtype), exp_avg_sq.to(param.dtype)) if compact else (exp_avg, exp_avg_sq)
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         step_size = lr / (1 - beta1 ** step)
-        denom = exp_avg_sq.sqrt() / (1 - beta2 ** step).sqrt() + eps
-        param.sub_(step_size * exp_avg / denom)
+        denom = v.sqrt() / (1 - beta2 ** step).sqrt() + eps
+        param.sub_(step_size * m / denom)
+        if compact:
+            exp_avg.copy_(m)
+            exp_avg_sq.copy_(v)
         if copy is not None:
             copy.copy_(param)
 
@@ -79,8 +91,8 @@ _compiled_adamw = torch.compile(_adamw, dynamic=False)
 
 def _signature(member) -> tuple:
     """What a compiled graph specializes on, per parameter: chunks of equal signatures share a graph."""
-    param, grad, _, copy = member
-    return (tuple(param.shape), param.stride(), param.dtype, grad.dtype, grad.stride(),
+    param, grad, state, copy = member
+    return (tuple(param.shape), param.stride(), param.dtype, grad.dtype, grad.stride(), state["exp_avg"].dtype,
             None if copy is None else copy.dtype)
 
 
@@ -110,33 +122,84 @@ def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_no
     L2 norm and take `optimizer`'s AdamW step, writing the copies; the norm before clipping, a 0-d
     float32 tensor (no host sync, as `step.clip_grad_norm_`). `update` is the chunk update to call
     (default: `_adamw`, compiled on a GPU)."""
-    calls = []  # (chunk of (param, grad, state, copy), their signatures, the group's lr tensor, other hyperparameters)
-    grads = []  # in the optimizer's order, as the unfused clip sums their norms
-    for group in optimizer.param_groups:
-        members = []
-        for param in group["params"]:
-            copy = weights.copy_of.get(id(param))
-            grad = copy.grad if copy is not None else param.grad
-            if grad is not None:
-                members.append((param, grad, _state(optimizer, group, param), copy))
-        grads += [grad for _, grad, _, _ in members]
-        if members:
-            lr = torch.full((), group["lr"], device=members[0][1].device)
-            hyper = (*group["betas"], group["eps"], group["weight_decay"])
-            calls += [(chunk, signatures, lr, hyper) for signatures, chunk in chunks(members)]
+    calls, grads = _calls(optimizer, lambda param: weights.copy_of.get(id(param)))
     if not grads:
         return torch.zeros(())
     total_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
     coef = torch.ones_like(total_norm)
     if max_norm and max_norm > 0:
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    _update(calls, coef, update)
+    weights.drop_copy_grads()
+    weights.copies_written()
+    return total_norm
+
+
+def _calls(optimizer: torch.optim.AdamW, copy_of) -> tuple[list[tuple], list[torch.Tensor]]:
+    """The chunked update calls of `optimizer`'s step, and the gradients in the optimizer's order
+    (as the unfused clip sums their norms). A parameter's gradient is on its copy where
+    `copy_of(param)` gives one, else on itself; a DTensor's local shard is updated in place."""
+    calls = []  # (chunk of (param, grad, state, copy), their signatures, the group's lr tensor, other hyperparameters)
+    grads = []
+    for group in optimizer.param_groups:
+        members = []
+        for param in group["params"]:
+            copy = copy_of(param)
+            grad = copy.grad if copy is not None else param.grad
+            if grad is not None:
+                state = _state(optimizer, group, param)
+                members.append((_local(param), _local(grad), {key: _local(value) for key, value in state.items()},
+                                copy))
+        grads += [grad for _, grad, _, _ in members]
+        if members:
+            lr = torch.full((), group["lr"], device=members[0][1].device)
+            hyper = (*group["betas"], group["eps"], group["weight_decay"])
+            calls += [(chunk, signatures, lr, hyper) for signatures, chunk in chunks(members)]
+    return calls, grads
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its storage: updated in place), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _update(calls: list[tuple], coef: torch.Tensor, update=None) -> None:
+    """Run the chunked AdamW calls with gradients times `coef` (`_adamw`, compiled on a GPU)."""
+    if not calls:
+        return
     if update is None:
-        update = _compiled_adamw if grads[0].is_cuda else _adamw
+        update = _compiled_adamw if calls[0][0][0][1].is_cuda else _adamw
     with _graphs_allowed(calls):
         for chunk, _, lr, hyper in calls:
             params, chunk_grads, states, copies = (list(column) for column in zip(*chunk))
             update(params, chunk_grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                   [s["step"] for s in states], copies, lr, coef, *hyper)
-    weights.drop_copy_grads()
-    weights.copies_written()
-    return total_norm
+                   [s["step"] for s in states], copies, lr, coef.to(lr.device), *hyper)
+
+
+class AdamWCompactMoments(torch.optim.AdamW):
+    """torch's AdamW on float32 parameters with both moments stored in `moments_dtype` (bfloat16:
+    4 bytes of state per parameter instead of 8), updated in float32 and rounded once per step
+    (`_adamw`). Its step is the fused update's, without copies: the same math wherever it runs.
+    bfloat16 holds 8 significant bits, so each step must change a moment by more than about 0.4%
+    of it to register: with beta2 = 0.95 it does (5%); with beta2 = 0.999 the second moment would
+    stall, and the recipe refuses that pairing."""
+
+    def __init__(self, params, moments_dtype: torch.dtype = torch.bfloat16, on_device: bool = False, **options):
+        # the step is ours, torch's kernels never run; `capturable` keeps the step counts on the
+        # parameters' device (as torch's fused AdamW does), so a compiled update reads no host scalar
+        options.update(fused=False, foreach=False, capturable=on_device)
+        super().__init__(params, **options)
+        self.moments_dtype = moments_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        calls, _ = _calls(self, lambda param: None)
+        if calls:
+            _update(calls, torch.ones((), device=calls[0][2].device))
+        return loss

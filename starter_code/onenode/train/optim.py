@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .master_update import AdamWCompactMoments
 from .weight_decay import param_groups
 
 # Parameter names that stay on AdamW whatever their shape: token-level lookups and the router,
@@ -137,6 +138,7 @@ def build_muon(
     ns_steps: int = 5,
     adjust_lr_fn: str = "match_rms_adamw",
     ns_precision: str = "bfloat16",
+    moments: str = "float32",
 ) -> OptimizerList:
     """Muon on the 2-D hidden matrices, AdamW (decay on matrices only) on the rest, one lr."""
     named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
@@ -148,20 +150,28 @@ def build_muon(
             muon, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_precision=ns_precision,
         ))
-    optimizers.append(build_adamw(rest, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps))
+    optimizers.append(build_adamw(rest, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, moments=moments))
     return OptimizerList(optimizers)
 
 
+# optimizer.moments -> the dtype AdamW stores its moments in (None: the parameters')
+MOMENTS = {"float32": None, "bfloat16": torch.bfloat16}
+
+
 def build_adamw(named_parameters: Iterable[tuple[str, nn.Parameter]], lr: float, weight_decay: float,
-                betas: tuple[float, float], eps: float) -> torch.optim.AdamW:
+                betas: tuple[float, float], eps: float, moments: str = "float32") -> torch.optim.AdamW:
     """AdamW with decoupled weight decay on matrices only. On CUDA its fused kernel (a few launches
     per step, DTensor parameters from FSDP2 and EP included). On CPU the foreach one, but a loop
     over the parameters where they are DTensors: DTensor works out the sharding of a foreach op
     over many differently sharded tensors once per process, a cost in the first step that a short
-    CPU run does not win back from the foreach kernels."""
+    CPU run does not win back from the foreach kernels. `moments: bfloat16` stores both moments in
+    bfloat16 (`master_update.AdamWCompactMoments`: the kit's own update, compiled on a GPU)."""
     groups = param_groups(named_parameters, weight_decay)
     params = [p for group in groups for p in group["params"]]
     cuda = all(p.device.type == "cuda" for p in params)
+    if MOMENTS[moments] is not None:
+        return AdamWCompactMoments(groups, moments_dtype=MOMENTS[moments], on_device=cuda, lr=lr, betas=betas,
+                                   eps=eps)
     foreach = not cuda and not any(isinstance(p, DTensor) for p in params)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=cuda, foreach=foreach)
 

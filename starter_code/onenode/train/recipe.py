@@ -105,6 +105,9 @@ class OptimizerSection:
     weight_decay: float = 0.1
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
+    # AdamW's two moments stored in float32 (8 bytes a parameter) or bfloat16 (4; rounded once a
+    # step, train/master_update.AdamWCompactMoments; needs betas[1] <= 0.99, see there)
+    moments: str = "float32"
     muon: MuonSection = field(default_factory=MuonSection)
 
 
@@ -222,6 +225,8 @@ class Recipe:
         decisive["data"] = {k: v for k, v in decisive["data"].items() if k not in ("source", "path")}
         if not self.parallel.diloco.inner_steps:  # off: the hash a recipe had before DiLoCo was an option
             decisive["parallel"] = {k: v for k, v in decisive["parallel"].items() if k != "diloco"}
+        if self.optimizer.moments == "float32":  # the default: the hash a recipe had before the option
+            decisive["optimizer"] = {k: v for k, v in decisive["optimizer"].items() if k != "moments"}
         return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
 
     def with_overrides(self, overrides: dict) -> Recipe:
@@ -258,6 +263,10 @@ class Recipe:
             ("optimizer.name", o.name in ("adamw", "muon"), "is adamw or muon"),
             ("optimizer.lr", o.lr > 0, "must be positive"),
             ("optimizer.betas", len(o.betas) == 2, "is a list of two numbers"),
+            ("optimizer.moments", o.moments in ("float32", "bfloat16"), "is float32 or bfloat16"),
+            ("optimizer.moments", o.moments == "float32" or (o.betas or [0])[-1] <= 0.99,
+             f"bfloat16 moments need betas[1] <= 0.99 (with {o.betas[-1]} a step changes the second moment by "
+             "less than bfloat16 can round to: it would stall); use float32"),
             ("optimizer.muon.adjust_lr_fn", o.muon.adjust_lr_fn in ("original", "match_rms_adamw"),
              "is original or match_rms_adamw"),
             ("optimizer.muon.ns_precision", o.muon.ns_precision in ("bfloat16", "float32"), "is bfloat16 or float32"),

@@ -40,16 +40,20 @@ def build_optimizer(
     weight_decay: float = 0.1,
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
+    moments: str = "float32",
     **muon_options,
 ) -> torch.optim.Optimizer:
     """AdamW with decoupled weight decay on matrices only (the A1 default), or "muon": Muon on the
-    2-D hidden matrices and AdamW on the rest (`train/optim.py`; `muon_options` go to Muon). Over
+    2-D hidden matrices and AdamW on the rest (`train/optim.py`; `muon_options` go to Muon);
+    `moments` is the dtype AdamW stores its moments in (`optim.MOMENTS`). Over
     a layout's float32 masters (`ParallelModel.master_weights`) each step of it marks their bf16
     copies stale (a hook of this optimizer's own, not of every optimizer in the process)."""
     if name == "muon":
-        optimizer = build_muon(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **muon_options)
+        optimizer = build_muon(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, moments=moments,
+                               **muon_options)
     elif name == "adamw":
-        optimizer = build_adamw(model.named_parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        optimizer = build_adamw(model.named_parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+                                moments=moments)
     else:
         raise ValueError(f"unknown optimizer {name!r}: use 'adamw' or 'muon'")
     weights = getattr(model, "master_weights", None)
