@@ -30,9 +30,9 @@ from grader.cohort import grade_cohort
 from grader.errors import SubmissionError
 from grader.rubric import KIT_ROOT
 from grader.sandbox import Limits, make_scratch, run_sandboxed
-from onenode.verify.audit import audit_run, trained_shards
+from onenode.verify.audit import DILOCO_NOT_REPLAYED, audit_run, trained_shards
 from onenode.verify.contamination import contamination
-from onenode.verify.replay import _replayed
+from onenode.verify.replay import _replayed, replay_checks
 
 PASSAGE = ("Now is the winter of our discontent made glorious summer by this sun of York and all the clouds "
            "that lour'd upon our house in the deep bosom of the ocean buried")
@@ -172,6 +172,54 @@ def test_incomplete_submission_is_one_line(submission):
     shutil.rmtree(submission / "final")
     with pytest.raises(SubmissionError, match="lacks final/config.json, metrics.jsonl: "):
         load_a2_submission(submission)
+
+
+def _claim_diloco(sub: Path) -> None:
+    """The run's recipe turned to DiLoCo (two groups, a sync every checkpoint interval), each
+    checkpoint's recipe hash updated to it: the chain intact, the run a DiLoCo run by its files."""
+    import yaml
+
+    from onenode.train.recipe import load_recipe
+
+    recipe = yaml.safe_load((sub / "recipe.yaml").read_text())
+    recipe["parallel"]["diloco"] = {"inner_steps": SMALL["checkpoint.every_steps"], "replicas": 2}
+    (sub / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    claimed = load_recipe(sub / "recipe.yaml").training_sha256
+    for meta in _metas(sub):
+        _edit_json(meta, lambda m: m.update(training_sha256=claimed))
+
+
+def test_a_diloco_run_is_not_verified_and_told_what_to_do(job, submission):
+    """The replay cannot take DiLoCo's outer steps: such a run fails the audit in one line that says
+    what to do, and the replay is not attempted."""
+    _claim_diloco(submission)
+    sub = load_a2_submission(submission)
+    failed = {c.name: c.detail for c in audit_run(sub, token_budget=BUDGET) if not c.ok}
+    assert failed == {"replica groups": DILOCO_NOT_REPLAYED}, failed
+    assert DILOCO_NOT_REPLAYED.startswith("the grader cannot replay DiLoCo's outer steps yet: ")
+    assert "parallel.diloco.inner_steps: 0" in DILOCO_NOT_REPLAYED
+
+    def no_replay(spans):
+        raise AssertionError("a DiLoCo run was handed to the replay harness")
+    checks, cost = replay_checks(sub, job.profile, "0", no_replay)
+    assert [(c.name, c.ok, c.detail) for c in checks] == [
+        ("replay", False, "not replayed: the recipe trains DiLoCo (see replica groups)")] and cost == {}
+
+
+def test_another_replica_group_without_a_diloco_recipe_fails_in_one_line(submission):
+    """A replica_*/ folder, or a manifest naming a DiLoCo replica group, where the recipe trains one
+    group: tokens of a group the budget does not count."""
+    (submission / "replica_1" / "checkpoints").mkdir(parents=True)
+    failed = {c.name: c.detail for c in audit_run(load_a2_submission(submission), BUDGET) if not c.ok}
+    assert list(failed) == ["replica groups"] and failed["replica groups"].startswith(
+        "the run holds replica_1/, but recipe.yaml trains one replica group"), failed
+    shutil.rmtree(submission / "replica_1")
+    for path in (submission / "run_manifest.json", submission / "final" / "run_manifest.json"):
+        _edit_json(path, lambda m: m.update(diloco={"replica_group": 0}))
+    failed = {c.name: c.detail for c in audit_run(load_a2_submission(submission), BUDGET) if not c.ok}
+    assert list(failed) == ["replica groups"] and failed["replica groups"].startswith(
+        "run_manifest.json names DiLoCo {'replica_group': 0}, but recipe.yaml trains one replica group"), failed
+    assert all("\n" not in detail for detail in failed.values())
 
 
 # -- forgeries (more in tests/test_a2_verification.py) -------------------------------------------

@@ -311,3 +311,41 @@ def test_a_group_killed_and_restarted_from_its_checkpoint_rejoins_with_the_same_
         assert got["losses"] == want["losses"], f"group {group}"
         _assert_same_weights(got["state"], want["state"], 0.0, f"group {group} against the run nobody killed")
         assert got["manifest"]["tokens_seen"] == got["manifest"]["data_tokens_served"] == steps * TOKENS_PER_STEP
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_span_replays_from_every_groups_checkpoint_bit_for_bit(tmp_path, torchft_installed):
+    """A DiLoCo run (two groups, H = 2, the paper's outer Nesterov SGD, a checkpoint at every sync)
+    replayed in one process from sync to sync by `verify/diloco_replay.py` (each group's inner steps
+    on its own slice, the kit's outer step): every group's weights, the outer momentum and each
+    group's inner AdamW state come back bit for bit, over one window and over two. A group that
+    read the other's slice, or an outer momentum not the one the run had, does not give them back."""
+    import shutil
+
+    from onenode.verify.diloco_replay import replay_span
+
+    steps, inner = 6, 2
+    run = tmp_path / "run"
+    _replicas(run, steps, _diloco(inner, **{"checkpoint.every_steps": inner, "checkpoint.keep_last": 0}))
+    for start, end, windows in [("step_00000000", "step_00000002", 1), ("step_00000002", "step_00000006", 2)]:
+        report = replay_span(run, start, end)
+        assert report["windows"] == windows and report["loader"] == [None, None], report
+        assert report["bitwise"] and report["outer_momentum_bitwise"] and report["inner_bitwise"] == [True, True], \
+            (start, end, report)
+
+    same_slice = tmp_path / "same-slice"
+    shutil.copytree(run, same_slice)
+    shutil.rmtree(same_slice / "replica_1" / "checkpoints")
+    shutil.copytree(run / "checkpoints", same_slice / "replica_1" / "checkpoints")
+    report = replay_span(same_slice, "step_00000002", "step_00000004")
+    assert not report["bitwise"] and report["relative_error"] > 1e-3, report
+
+    steered = tmp_path / "steered"
+    shutil.copytree(run, steered)
+    state_file = steered / "checkpoints" / "step_00000002" / "trainer_state_rank0.pt"
+    state = torch.load(state_file, weights_only=True)
+    state["diloco"]["outer_momentum"] = {k: 2 * v for k, v in state["diloco"]["outer_momentum"].items()}
+    torch.save(state, state_file)
+    report = replay_span(steered, "step_00000002", "step_00000004")
+    assert not report["bitwise"] and not report["outer_momentum_bitwise"] and report["relative_error"] > 1e-3, report

@@ -16,7 +16,10 @@ grader does not replay. Each is built from real runs of the tiny recipe on the g
   towards the four-times-longer run's weights, each span then trained honestly from the state
   stored (every replay bit for bit, every recorded loss true);
 - a long span among short ones: a run checkpointed twice as often, one span of the usual
-  interval left in its middle, whose second half trained on other batches.
+  interval left in its middle, whose second half trained on other batches;
+- a hidden replica: two-replica DiLoCo emulated by hand (every checkpoint the average of two
+  copies trained one interval from the one before, the second on batches the first never sees),
+  submitted with the recipe, manifest and log of a one-replica run, which count one copy's tokens.
 """
 
 from __future__ import annotations
@@ -404,6 +407,57 @@ def long_span_among_short(runs: Runs, dest: Path) -> Path:
     return assemble(work, dest / "sub")
 
 
+def train_hidden_replica(recipe_path: str, out: str, overrides: dict) -> None:
+    """`onenode train` of the recipe (run on the grader's A2 stack, `hidden_replica`) beside a
+    second replica, a trainer of its own (its weights, AdamW state and loader) reading the data
+    further along, past the run's end (batches the first never draws). Before each checkpoint the
+    first writes, the second trains as many steps from the last checkpoint's weights, and both take
+    the average of their weights and buffers (DiLoCo's sync at outer lr 1 without momentum): the
+    checkpoint holds it with the first's optimizer, loader and losses, and the run's files count
+    the first's tokens alone."""
+    import torch
+
+    from onenode.train.recipe import load_recipe
+    from onenode.train.trainer import Trainer
+
+    recipe = load_recipe(recipe_path, overrides)
+    trainer = Trainer(recipe, out, resume=None)
+    second = Trainer(recipe, Path(out).with_name(Path(out).name + "-second-replica"), resume=None)
+    for _ in range(recipe.total_steps * second.accumulation):
+        next(second.loader)
+    save = trainer.save
+
+    def sync_then_save() -> Path:
+        while second.step < trainer.step:
+            second.train_step()
+        with torch.no_grad():
+            for mine, theirs in zip(trainer.parallel.model.state_dict().values(),
+                                    second.parallel.model.state_dict().values()):
+                if mine.is_floating_point():
+                    mine.copy_((mine + theirs) / 2)
+                    theirs.copy_(mine)
+        return save()
+
+    trainer.save = sync_then_save
+    trainer.fit()
+
+
+def hidden_replica(runs: Runs, dest: Path) -> Path:
+    """The honest recipe trained by `train_hidden_replica`: two replicas' tokens, one counted."""
+    from grader.a2.job import a2_stack
+
+    scale, work = runs.scale, dest / "work"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(a2_stack() / "starter_code"), str(KIT / "tests")]),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    code = ("import json, sys; from redteam.a2_forgeries import train_hidden_replica; "
+            "train_hidden_replica(*json.loads(sys.argv[1]))")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps([str(scale.recipe), str(work), scale.small])],
+                          cwd=KIT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the run with a hidden replica failed: {done.stderr.strip()[-800:]}")
+    return assemble(work, dest / "sub")
+
+
 def middle(scale: Scale) -> int:
     """The checkpoint step nearest the run's middle."""
     return scale.steps // 2 // scale.every * scale.every
@@ -440,6 +494,7 @@ def forgeries(scale: Scale) -> list[Forgery]:
                 {"replay": rf"^step_{half:08d} -> step_{half + scale.every:08d} is {scale.every} steps, where the "
                            rf"chain's first span is {scale.every // 2}: the grader replays only runs checkpointed at "
                            "one interval"}),
+        Forgery("hidden-replica", hidden_replica, {"replay": span(first) + "replayed does not give .*" + NOT_REPLAYED}),
     ]
 
 

@@ -67,6 +67,53 @@ def replica_group(replicas: int) -> int:
     return int(text)
 
 
+def outer_optimizer(params: Iterable[torch.Tensor], outer_lr: float, outer_momentum: float) -> torch.optim.SGD:
+    """DiLoCo's outer optimizer over `params`: Nesterov SGD (plain SGD without momentum)."""
+    return torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+
+
+def outer_momentum(optimizer: torch.optim.SGD, named_params: Iterable[tuple[str, torch.Tensor]]) -> dict:
+    """The outer momentum by parameter name (this rank's shards), as a checkpoint keeps it."""
+    momentum = {}
+    for name, param in named_params:
+        buffer = optimizer.state.get(param, {}).get("momentum_buffer")
+        if buffer is not None:
+            momentum[name] = buffer.to_local() if isinstance(buffer, DTensor) else buffer
+    return momentum
+
+
+def load_outer_momentum(optimizer: torch.optim.SGD, named_params: Iterable[tuple[str, torch.Tensor]],
+                        momentum: dict) -> None:
+    """The outer momentum a checkpoint keeps (`outer_momentum`), into `optimizer`."""
+    for name, param in named_params:
+        buffer = momentum.get(name)
+        if buffer is None:
+            continue
+        buffer = buffer.to(param.device)
+        if isinstance(param, DTensor):
+            buffer = DTensor.from_local(buffer, param.device_mesh, param.placements, shape=param.shape,
+                                        stride=param.stride())
+        optimizer.state[param]["momentum_buffer"] = buffer
+
+
+@torch.no_grad()
+def outer_step(optimizer: torch.optim.SGD, params: dict[str, torch.Tensor], synced: dict[str, torch.Tensor],
+               trained: list[dict[str, torch.Tensor]]) -> None:
+    """The sync torchft's `DiLoCo` takes, by hand for one process that holds every group's result (the
+    replay of a DiLoCo run, `verify/diloco_replay.py`): the pseudo-gradient (`synced`, the parameters
+    at the last sync, minus each group's `trained` ones) summed in group order and divided by the
+    groups, the parameters put back at `synced`, and `optimizer`'s step on it."""
+    for name, param in params.items():
+        mean = synced[name] - trained[0][name]
+        for group in trained[1:]:
+            mean += synced[name] - group[name]
+        mean /= len(trained)
+        param.copy_(synced[name])
+        param.grad = mean
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 class _InnerSteps(torch.optim.Optimizer):
     """What torchft's DiLoCo hooks: each `step(closure)` is one inner step of the kit, run by the closure
     between the step hooks (torchft's pre-hook holds back its state transfers while the weights change;
@@ -94,8 +141,7 @@ class ReplicaGroups:
         self.parallel, self.replicas, self.replica, self.inner_steps = parallel, replicas, replica, inner_steps
         self.buffers = list(buffers)
         params = list(parallel.parameters())
-        self.outer_optimizer = torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum,
-                                               nesterov=outer_momentum > 0)
+        self.outer_optimizer = outer_optimizer(params, outer_lr, outer_momentum)
         self.steps = 0  # inner steps this process has taken (or resumed at)
         self._clock = _InnerSteps()
         self._diloco = None
@@ -146,26 +192,14 @@ class ReplicaGroups:
         if self.steps % self.inner_steps:
             raise ValueError(f"DiLoCo checkpoints fall on syncs: step {self.steps} is not a multiple of "
                              f"parallel.diloco.inner_steps {self.inner_steps}")
-        momentum = {}
-        for name, param in self.parallel.named_parameters():
-            buffer = self.outer_optimizer.state.get(param, {}).get("momentum_buffer")
-            if buffer is not None:
-                momentum[name] = buffer.to_local() if isinstance(buffer, DTensor) else buffer
+        momentum = outer_momentum(self.outer_optimizer, self.parallel.named_parameters())
         return {"outer_momentum": momentum, "manager": self.manager.state_dict(), "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the sync a checkpoint was taken at (before the first step)."""
         if self._diloco is not None:
             raise RuntimeError("ReplicaGroups.load_state_dict: load before the first step")
-        for name, param in self.parallel.named_parameters():
-            buffer = state["outer_momentum"].get(name)
-            if buffer is None:
-                continue
-            buffer = buffer.to(param.device)
-            if isinstance(param, DTensor):
-                buffer = DTensor.from_local(buffer, param.device_mesh, param.placements, shape=param.shape,
-                                            stride=param.stride())
-            self.outer_optimizer.state[param]["momentum_buffer"] = buffer
+        load_outer_momentum(self.outer_optimizer, self.parallel.named_parameters(), state["outer_momentum"])
         self.manager.load_state_dict(state["manager"])
         self.steps = state["steps"]
 

@@ -24,7 +24,7 @@ from .replay import Harness, replay_checks
 def verify_run(sub: A2Submission, profile, seed: str, harness: Harness,
                eval_texts: Callable[[], list[str] | None], random_spans: int | None = None) -> tuple[list[Check], dict]:
     """Every check that makes a run verified, and what the replay cost: the audit (chain, budget
-    by the chain, manifest, logs, schedule, checkpoint), the shards trained on (hashed), the
+    by the chain, manifest, logs, schedule, replica groups, checkpoint), the shards trained on (hashed), the
     replay (initialisation, weights, final weights, data order, movement, optimizer state, logged
     losses, spans: `replay.replay_checks`), and contamination of the shards by `eval_texts()`, the
     profile's suite's text, read only for a run that trained on shards (None: it cannot be read

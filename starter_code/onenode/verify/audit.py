@@ -90,6 +90,7 @@ def audit_run(sub: A2Submission, token_budget: int) -> list[Check]:
           f"metrics.jsonl ends at step {last.get('step')} with {last.get('tokens')} tokens; the manifest says "
           f"step {steps} with {seen}")
     check("schedule", *logged_schedule(logged, recipe))
+    check("replica groups", *replica_groups(sub, recipe))
     try:
         config = NemotronHConfig.load(sub.checkpoint)
         stored = _safetensors_numel(sub.checkpoint)
@@ -110,6 +111,28 @@ def audit_run(sub: A2Submission, token_budget: int) -> list[Check]:
         check("final manifest", read_json(final_manifest) == manifest,
               "final/run_manifest.json and run_manifest.json agree")
     return checks
+
+
+DILOCO_NOT_REPLAYED = ("the grader cannot replay DiLoCo's outer steps yet: a run of parallel.diloco is not "
+                       "verified; train the graded run as one replica group (parallel.diloco.inner_steps: 0) and "
+                       "report DiLoCo runs in the notebook")
+
+
+def replica_groups(sub: A2Submission, recipe) -> tuple[bool, str]:
+    """Whether the run is the replica groups its recipe trains. The budget counts every group's
+    tokens only through the recipe (a DiLoCo global batch spans the groups), so a run whose files
+    show another group (a `replica_*/` folder, the manifest's `diloco` replica group) while its
+    recipe trains none trained tokens the budget does not count. A DiLoCo run itself is not
+    verified: the replay cannot take its outer steps yet."""
+    folders = sorted(path.name for path in sub.root.glob("replica_*"))
+    named = sub.manifest.get("diloco")
+    if recipe.parallel.diloco.inner_steps > 0:
+        return False, DILOCO_NOT_REPLAYED
+    if folders or named is not None:
+        found = f"the run holds {folders[0]}/" if folders else f"run_manifest.json names DiLoCo {named!r}"
+        return False, (f"{found}, but recipe.yaml trains one replica group (parallel.diloco.inner_steps: 0): another "
+                       "group's tokens are trained and not counted; submit the recipe the run trained with")
+    return True, "one replica group: the recipe trains no DiLoCo and the run holds no other group's folder"
 
 
 def logged_schedule(records: list[dict], recipe) -> tuple[bool, str]:

@@ -5,9 +5,9 @@
 
 The checks are the code the grader runs (`onenode.verify`): the run folder, the chain of
 checkpoints from the seeded initialisation, the token budget by the chain, the manifest and the
-log, the schedule's learning rates, the shards trained on, every span's movement bound and
-optimizer state, the logged losses, the first, the last and random spans trained again, and the
-evaluation suite's text in the shards. They run here, on your install, in this machine's time,
+log, the schedule's learning rates, the replica groups, the shards trained on, every span's
+movement bound and optimizer state, the logged losses, the first, the last and random spans trained
+again, and the evaluation suite's text in the shards. They run here, on your install, in this machine's time,
 without the grader's sandbox (the code and the run are your own). Exit status: 0 when the run
 verifies, 1 when a check fails, 2 for a usage error.
 
@@ -44,6 +44,8 @@ FIXES = {
     "schedule": "submit the metrics.jsonl the trainer wrote; keep the recipe's schedule for the whole run",
     "checkpoint": "submit the final/ the trainer exported, with the recipe it trained",
     "final manifest": "submit final/ and run_manifest.json as the trainer wrote them",
+    "replica groups": "train the graded run as one replica group (parallel.diloco.inner_steps: 0) and submit its "
+                      "own run folder, without replica_*/",
     "data": "pass the data folder the run trained on (--data DIR), unchanged since the run",
     "contamination": "rebuild the data with the `decontaminate` curation step (a2_pretrain/README.md) and train again",
 }

@@ -224,7 +224,8 @@ def replay_checks(sub: A2Submission, profile, seed: str, harness: Harness,
     except (RecipeError, OSError):
         recipe, broken = None, "recipe.yaml does not load"
     spans, problem = ([], f"not replayed: {broken.split(':')[0]}") if broken else \
-        replay_plan(sub, profile, seed, recipe.tokens_per_step)
+        ([], "not replayed: the recipe trains DiLoCo (see replica groups)") if recipe.parallel.diloco.inner_steps \
+        else replay_plan(sub, profile, seed, recipe.tokens_per_step)
     if not problem and profile.deterministic_runs and not recipe.train.deterministic:
         problem = ("the run trained without `train.deterministic: true`: on this profile's GPUs two runs of one "
                    "recipe part after a few steps on the default kernels, so no replay can tell it from a forgery; "
