@@ -201,6 +201,19 @@ def movement(start: dict, end: dict, allowed) -> tuple[float, str | None]:
 
 
 MOMENT_ROUNDING = 1.001  # slack on the optimizer state's bounds: float32 rounding of the moments and the clip
+
+
+def moment_rounding(moments: str) -> float:
+    """The slack on the bounds for the recipe's `optimizer.moments`: a dtype narrower than float32
+    rounds each moment once a step, by up to half its machine epsilon; its epsilon on top of
+    `MOMENT_ROUNDING` covers that with room. (A loaded state cannot say: torch's `load_state_dict`
+    casts it to the parameters' float32.)"""
+    import torch
+
+    from onenode.train.optim import MOMENTS
+
+    dtype = MOMENTS.get(moments)
+    return MOMENT_ROUNDING if dtype is None else MOMENT_ROUNDING + torch.finfo(dtype).eps
 # |exp_avg| allowed where exp_avg_sq rounded to zero: the square of a gradient under ~1e-22 underflows float32
 MOMENT_FLOOR = 1e-20
 
@@ -233,7 +246,8 @@ def adam_moment_ratio(beta1: float, beta2: float, steps: int) -> float:
     return (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(total)
 
 
-def optimizer_state_problem(stored: dict, fresh: dict, steps: int, grad_clip: float) -> str | None:
+def optimizer_state_problem(stored: dict, fresh: dict, steps: int, grad_clip: float,
+                            moments: str = "float32") -> str | None:
     """What no training of the recipe puts in the optimizer state a checkpoint of step `steps`
     stores, in one line, or None. `fresh` is the recipe's optimizer before its first step, as the
     step-0 checkpoint stores it (DCP gives each parameter its state with one step of zero
@@ -249,7 +263,7 @@ def optimizer_state_problem(stored: dict, fresh: dict, steps: int, grad_clip: fl
       sum(exp_avg_sq) = (1 - b2) sum_j b2^(t-j) ||g_j||^2 <= c^2 (1 - b2^t), and Muon's
       ||momentum_buffer||_2 <= c (1 - momentum^t), for t = `steps` (a run without a clip, c = 0,
       has no bound on these norms).
-    Each within `MOMENT_ROUNDING`."""
+    Each within `moment_rounding(moments)`, the recipe's `optimizer.moments`."""
     ours, theirs = fresh["param_groups"], stored.get("param_groups", [])
     if len(theirs) != len(ours):
         return f"{len(theirs)} optimizer parameter groups where the recipe's optimizer has {len(ours)}"
@@ -262,6 +276,7 @@ def optimizer_state_problem(stored: dict, fresh: dict, steps: int, grad_clip: fl
                 return f"optimizer setting {key} {claimed.get(key)!r} where the recipe's optimizer has {value!r}"
         settings.update(dict.fromkeys(group["params"], group))
     momentum_sq, squares, averages = {}, {}, {}  # beta -> summed over its parameters
+    rounding = moment_rounding(moments)
     for name, start in fresh["state"].items():
         state, group = stored["state"].get(name, {}), settings[name]
         if set(state) != set(start):
@@ -281,7 +296,7 @@ def optimizer_state_problem(stored: dict, fresh: dict, steps: int, grad_clip: fl
             if bool((v < 0).any()):
                 return f"{name}'s exp_avg_sq is negative"
             ratio = adam_moment_ratio(beta1, beta2, steps)
-            over = m.abs() - (MOMENT_ROUNDING * ratio * v.sqrt() + MOMENT_FLOOR)
+            over = m.abs() - (rounding * ratio * v.sqrt() + MOMENT_FLOOR)
             if bool((over > 0).any()):
                 i = int(over.argmax())
                 return (f"{name}'s exp_avg {float(m.flatten()[i]):.3g} against exp_avg_sq {float(v.flatten()[i]):.3g}: "
@@ -297,7 +312,7 @@ def optimizer_state_problem(stored: dict, fresh: dict, steps: int, grad_clip: fl
     norms += [("||momentum_buffer||", beta, math.sqrt(total), grad_clip * (1 - beta ** steps))
               for beta, total in momentum_sq.items()]
     for what, beta, found, bound in norms:
-        if found > MOMENT_ROUNDING * bound:
+        if found > rounding * bound:
             return (f"{what} {found:.4g} over its parameters (beta {beta:g}); {steps} steps of gradients clipped to "
                     f"global norm {grad_clip:g} give at most {bound:.4g}")
     return None
@@ -366,7 +381,8 @@ def verify(plan: dict, report: dict) -> None:
                  "movement": None, "movement_at": None, "next_loss": None, "stored_next_loss": None,
                  "optimizer_sha256": weights_sha256(state_tensors(optimizer))
                  if trainer.rank == 0 and index in span_ends else None,
-                 "optimizer": optimizer_state_problem(optimizer, fresh, step, recipe.train.grad_clip)
+                 "optimizer": optimizer_state_problem(optimizer, fresh, step, recipe.train.grad_clip,
+                                                      recipe.optimizer.moments)
                  if trainer.rank == 0 else None}
         if previous is not None and trainer.rank == 0:
             span_lrs = lrs[previous[0]:step]
