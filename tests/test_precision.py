@@ -402,7 +402,7 @@ def test_the_compiled_fused_update_writes_the_copies(monkeypatch):
     weights = parallel.master_weights
     fused = master_update.clip_and_update
     monkeypatch.setattr(master_update, "clip_and_update",
-                        lambda w, o, m: fused(w, o, m, update=master_update._compiled_adamw))
+                        lambda w, o, m: fused(w, o, m, update=master_update._compiled_adamw()))
     losses = []
     for _ in range(3):
         losses.append(train_step(parallel, optimizer, ids, labels)["loss"])

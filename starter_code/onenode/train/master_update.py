@@ -26,6 +26,7 @@ it checks the very update a GPU compiles.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -74,7 +75,11 @@ def _adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list
             copy.copy_(param)
 
 
-_compiled_adamw = torch.compile(_adamw, dynamic=False)
+@functools.cache
+def _compiled_adamw():
+    """`_adamw` compiled (a GPU's update), made on first use: `torch.compile` loads inductor, about
+    1.3 s of CPU in every process that imports the step, the CPU ones that never compile included."""
+    return torch.compile(_adamw, dynamic=False)
 
 
 def _signature(member) -> tuple:
@@ -131,7 +136,7 @@ def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_no
     if max_norm and max_norm > 0:
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     if update is None:
-        update = _compiled_adamw if grads[0].is_cuda else _adamw
+        update = _compiled_adamw() if grads[0].is_cuda else _adamw
     with _graphs_allowed(calls):
         for chunk, _, lr, hyper in calls:
             params, chunk_grads, states, copies = (list(column) for column in zip(*chunk))
