@@ -26,6 +26,7 @@ it checks the very update a GPU compiles.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -86,7 +87,11 @@ def _adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list
             copy.copy_(param)
 
 
-_compiled_adamw = torch.compile(_adamw, dynamic=False)
+@functools.cache
+def _compiled_adamw():
+    """`_adamw` compiled (a GPU's update), made on first use: `torch.compile` loads inductor, about
+    1.3 s of CPU in every process that imports the step, the CPU ones that never compile included."""
+    return torch.compile(_adamw, dynamic=False)
 
 
 def _signature(member) -> tuple:
@@ -170,7 +175,7 @@ def _update(calls: list[tuple], coef: torch.Tensor, update=None) -> None:
     if not calls:
         return
     if update is None:
-        update = _compiled_adamw if calls[0][0][0][1].is_cuda else _adamw
+        update = _compiled_adamw() if calls[0][0][0][1].is_cuda else _adamw
     with _graphs_allowed(calls):
         for chunk, _, lr, hyper in calls:
             params, chunk_grads, states, copies = (list(column) for column in zip(*chunk))
