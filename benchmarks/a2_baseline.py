@@ -133,12 +133,14 @@ def replayed(run: Path, stack: Path, profile_name: str) -> dict:
     import shutil
 
     from grader.a2.intake import load_submission
-    from grader.a2.replay import replay_checks
+    from grader.a2.replay import run_harness
+    from onenode.verify.replay import replay_checks
     from grader.a2.rubric import load_rubric
 
     shutil.copytree(KIT_ROOT / "data" / "default", run / "data", dirs_exist_ok=True)
     profile = dataclasses.replace(load_rubric().profile(profile_name), replay_fraction=1.0)
-    checks, cost = replay_checks(load_submission(run, notebook=False), profile, stack, "benchmark", run)
+    sub = load_submission(run, notebook=False)
+    checks, cost = replay_checks(sub, profile, "benchmark", lambda spans: run_harness(sub, stack, spans, profile, run))
     return {"checks": [c.__dict__ for c in checks], "cost": cost}
 
 

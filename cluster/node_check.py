@@ -277,7 +277,8 @@ def check_a2_train_and_replay(node: Node) -> str:
     """A short run trained on the grader's A2 stack, then the grader's replay checks on it."""
     from grader.a2.intake import load_submission
     from grader.a2.job import a2_stack, train_on_stack
-    from grader.a2.replay import replay_checks
+    from grader.a2.replay import run_harness
+    from onenode.verify.replay import replay_checks
     from grader.a2.rubric import load_rubric
 
     rubric = load_rubric()
@@ -293,8 +294,9 @@ def check_a2_train_and_replay(node: Node) -> str:
         raise Failed(str(e).splitlines()[-1][:300], f"run `onenode train {A2_RECIPE.relative_to(KIT_ROOT)}` "
                      "on the A2 stack by hand (grader/a2/job.py train_on_stack)") from None
     trained = time.monotonic() - start
-    checks, cost = replay_checks(load_submission(run, notebook=False), rubric.profile(name), a2_stack(),
-                                 "node-check", logs)
+    sub, profile, stack = load_submission(run, notebook=False), rubric.profile(name), a2_stack()
+    checks, cost = replay_checks(sub, profile, "node-check",
+                                 lambda spans: run_harness(sub, stack, spans, profile, logs))
     failed = next((c for c in checks if not c.ok), None)
     if failed is not None:
         raise Failed(f"{failed.name}: {failed.detail[:300]}", f"see {logs / 'replay.log'}")
