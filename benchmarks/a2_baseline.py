@@ -134,8 +134,8 @@ def replayed(run: Path, stack: Path, profile_name: str) -> dict:
 
     from grader.a2.intake import load_submission
     from grader.a2.replay import run_harness
-    from onenode.verify.replay import replay_checks
     from grader.a2.rubric import load_rubric
+    from onenode.verify.replay import replay_checks
 
     shutil.copytree(KIT_ROOT / "data" / "default", run / "data", dirs_exist_ok=True)
     profile = dataclasses.replace(load_rubric().profile(profile_name), replay_fraction=1.0)

@@ -278,8 +278,8 @@ def check_a2_train_and_replay(node: Node) -> str:
     from grader.a2.intake import load_submission
     from grader.a2.job import a2_stack, train_on_stack
     from grader.a2.replay import run_harness
-    from onenode.verify.replay import replay_checks
     from grader.a2.rubric import load_rubric
+    from onenode.verify.replay import replay_checks
 
     rubric = load_rubric()
     name = a2_profile(node.profile, rubric.profiles)
