@@ -386,8 +386,7 @@ def long_span_among_short(runs: Runs, dest: Path) -> Path:
     scale = runs.scale
     half, start = scale.every // 2, middle(scale)
     work = copy_run(runs.fine, dest / "work")
-    cut_after(work, start)
-    train_on(runs, work, scale.fine, f"--stop-after={start + half}")
+    cut_after(work, start + half)  # the first half as the run trained it (training it again gives the same bits)
     state_file = checkpoint(work, start + half) / "trainer_state_rank0.pt"
     state = torch.load(state_file, weights_only=True)
     state["loader"] = torch.load(checkpoint(runs.fine, scale.steps) / state_file.name, weights_only=True)["loader"]
