@@ -29,6 +29,7 @@ import contextlib
 import functools
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..parallel.mixed_precision import MasterWeights
 
@@ -165,8 +166,6 @@ def _calls(optimizer: torch.optim.AdamW, copy_of) -> tuple[list[tuple], list[tor
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (its storage: updated in place), any other tensor itself."""
-    from torch.distributed.tensor import DTensor
-
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
