@@ -40,6 +40,7 @@ recipe refuses pp > 1).
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 
@@ -65,6 +66,14 @@ def replica_group(replicas: int) -> int:
                          f"`torchft_lighthouse --min_replicas {replicas}` ({REPLICA_ENV}={text or 'unset'}, "
                          f"{LIGHTHOUSE_ENV}={os.environ.get(LIGHTHOUSE_ENV) or 'unset'})")
     return int(text)
+
+
+def store_host(addr: str) -> str:
+    """The host the other groups reach this group's store at (torchft hands the first group's to every
+    group, whose gloo/NCCL group over the replicas meets there): torchrun on one node and a process
+    on its own name theirs localhost, which on another node is that node, so this machine's name
+    (what torchft advertises its manager at) stands in for it. The store listens on every address."""
+    return socket.gethostname() if addr in ("localhost", "127.0.0.1", "::1") else addr
 
 
 def outer_optimizer(params: Iterable[torch.Tensor], outer_lr: float, outer_momentum: float) -> torch.optim.SGD:
@@ -147,10 +156,10 @@ class ReplicaGroups:
         self._diloco = None
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:  # torchrun's store for this group
             self._store = None
-            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            store_addr, store_port = store_host(os.environ["MASTER_ADDR"]), int(os.environ["MASTER_PORT"])
         else:  # one process on its own: a store of its own
             self._store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-            store_addr, store_port = "localhost", self._store.port
+            store_addr, store_port = store_host("localhost"), self._store.port
         on_gpu = params[0].device.type == "cuda"
         pg = ProcessGroupNCCL() if on_gpu else ProcessGroupGloo()
         self.manager = Manager(pg=pg, min_replica_size=replicas, use_async_quorum=False, init_sync=False,
