@@ -207,8 +207,9 @@ def comparison(counts: dict, replicas: int = 2) -> dict:
     ddp_step = 4 * counts["parameters"]
     ring = 2 * (replicas - 1) / replicas
     return {**counts, "sync_bytes": sync, "ddp_bytes_per_step": ddp_step, "ring_factor": ring,
-            "per_H": {str(h): {"diloco_bytes_per_step": sync / h, "ddp_bytes_per_H_steps": ddp_step * h,
-                               "ddp_over_diloco": ddp_step * h / sync,
+            "sync_gb": sync / 1e9, "ddp_gb_per_step": ddp_step / 1e9,
+            "per_H": {str(h): {"diloco_bytes_per_step": sync / h, "diloco_mb_per_step": sync / h / 1e6,
+                               "ddp_bytes_per_H_steps": ddp_step * h, "ddp_over_diloco": ddp_step * h / sync,
                                "diloco_sent_per_process_per_step": ring * sync / h,
                                "ddp_sent_per_process_per_step": ring * ddp_step} for h in H_QUOTED}}
 
