@@ -148,10 +148,18 @@ def test_check_prints_the_diloco_line_the_launcher_reads():
     assert plan.splitlines()[-1].startswith("DiLoCo: 2 replica groups, a sync every 4 inner steps")
 
 
-def test_a_group_advertises_a_store_the_other_nodes_can_reach():
+def test_a_group_advertises_a_store_the_other_nodes_can_reach(monkeypatch):
     """torchrun on one node and a process on its own name their store localhost; torchft hands the
-    first group's store to every group, so the name it gets is this machine's."""
+    first group's store to every group, so the name it gets is this machine's (where it resolves)."""
     from onenode.parallel.diloco import store_host
 
-    assert [store_host(addr) for addr in ("localhost", "127.0.0.1", "::1")] == [socket.gethostname()] * 3
-    assert store_host("node-a") == "node-a"
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-a")
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, port: [])
+    assert [store_host(addr) for addr in ("localhost", "127.0.0.1", "::1")] == ["node-a"] * 3
+    assert store_host("node-b") == "node-b"
+
+    def unresolved(host, port):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unresolved)
+    assert store_host("localhost") == "localhost"

@@ -72,8 +72,16 @@ def store_host(addr: str) -> str:
     """The host the other groups reach this group's store at (torchft hands the first group's to every
     group, whose gloo/NCCL group over the replicas meets there): torchrun on one node and a process
     on its own name theirs localhost, which on another node is that node, so this machine's name
-    (what torchft advertises its manager at) stands in for it. The store listens on every address."""
-    return socket.gethostname() if addr in ("localhost", "127.0.0.1", "::1") else addr
+    (what torchft advertises its manager at) stands in for it. The store listens on every address.
+    A machine that cannot resolve its own name keeps localhost: only groups on it can meet."""
+    if addr not in ("localhost", "127.0.0.1", "::1"):
+        return addr
+    host = socket.gethostname()
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        return addr
+    return host
 
 
 def outer_optimizer(params: Iterable[torch.Tensor], outer_lr: float, outer_momentum: float) -> torch.optim.SGD:
