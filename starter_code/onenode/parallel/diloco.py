@@ -30,11 +30,12 @@ What the kit adds around it:
   takes its copy of the last sync's parameters from what a resumed run loaded.
 
 Launch: one job per group, each with REPLICA_GROUP_ID=r (0 .. R-1) and TORCHFT_LIGHTHOUSE=http://HOST:PORT
-of one running lighthouse. Composes with one process per group (tested: tests/test_diloco.py, float32
-and bf16). FSDP or expert parallelism within a group should compose as torchft means it to (each rank
-all-reduces its own shards with the same rank of the other groups, so every group needs the same layout;
-a group's ranks find each other through torchrun's store), untested here. Pipeline stages do not (the
-recipe refuses pp > 1).
+of one running lighthouse (across nodes, one group per node: cluster/train_diloco.sh, which starts the
+lighthouse on group 0's node; tests/test_diloco_launch.py). Composes with one process per group
+(tested: tests/test_diloco.py, float32 and bf16). FSDP or expert parallelism within a group should
+compose as torchft means it to (each rank all-reduces its own shards with the same rank of the other
+groups, so every group needs the same layout; a group's ranks find each other through torchrun's
+store), untested here. Pipeline stages do not (the recipe refuses pp > 1).
 """
 
 from __future__ import annotations
