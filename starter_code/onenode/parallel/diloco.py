@@ -30,16 +30,18 @@ What the kit adds around it:
   takes its copy of the last sync's parameters from what a resumed run loaded.
 
 Launch: one job per group, each with REPLICA_GROUP_ID=r (0 .. R-1) and TORCHFT_LIGHTHOUSE=http://HOST:PORT
-of one running lighthouse. Composes with one process per group (tested: tests/test_diloco.py, float32
-and bf16). FSDP or expert parallelism within a group should compose as torchft means it to (each rank
-all-reduces its own shards with the same rank of the other groups, so every group needs the same layout;
-a group's ranks find each other through torchrun's store), untested here. Pipeline stages do not (the
-recipe refuses pp > 1).
+of one running lighthouse (across nodes, one group per node: cluster/train_diloco.sh, which starts the
+lighthouse on group 0's node; tests/test_diloco_launch.py). Composes with one process per group
+(tested: tests/test_diloco.py, float32 and bf16). FSDP or expert parallelism within a group should
+compose as torchft means it to (each rank all-reduces its own shards with the same rank of the other
+groups, so every group needs the same layout; a group's ranks find each other through torchrun's
+store), untested here. Pipeline stages do not (the recipe refuses pp > 1).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 
@@ -65,6 +67,22 @@ def replica_group(replicas: int) -> int:
                          f"`torchft_lighthouse --min_replicas {replicas}` ({REPLICA_ENV}={text or 'unset'}, "
                          f"{LIGHTHOUSE_ENV}={os.environ.get(LIGHTHOUSE_ENV) or 'unset'})")
     return int(text)
+
+
+def store_host(addr: str) -> str:
+    """The host the other groups reach this group's store at (torchft hands the first group's to every
+    group, whose gloo/NCCL group over the replicas meets there): torchrun on one node and a process
+    on its own name theirs localhost, which on another node is that node, so this machine's name
+    (what torchft advertises its manager at) stands in for it. The store listens on every address.
+    A machine that cannot resolve its own name keeps localhost: only groups on it can meet."""
+    if addr not in ("localhost", "127.0.0.1", "::1"):
+        return addr
+    host = socket.gethostname()
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        return addr
+    return host
 
 
 def outer_optimizer(params: Iterable[torch.Tensor], outer_lr: float, outer_momentum: float) -> torch.optim.SGD:
@@ -147,10 +165,10 @@ class ReplicaGroups:
         self._diloco = None
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:  # torchrun's store for this group
             self._store = None
-            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            store_addr, store_port = store_host(os.environ["MASTER_ADDR"]), int(os.environ["MASTER_PORT"])
         else:  # one process on its own: a store of its own
             self._store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-            store_addr, store_port = "localhost", self._store.port
+            store_addr, store_port = store_host("localhost"), self._store.port
         on_gpu = params[0].device.type == "cuda"
         pg = ProcessGroupNCCL() if on_gpu else ProcessGroupGloo()
         self.manager = Manager(pg=pg, min_replica_size=replicas, use_async_quorum=False, init_sync=False,

@@ -77,6 +77,10 @@ def describe(recipe) -> str:
     config = recipe.model_config()
     total, active = count_parameters(config)
     t = recipe.train
+    d = recipe.parallel.diloco
+    # cluster/train_diloco.sh reads the DiLoCo line: how many replica groups (nodes) the run needs
+    diloco = ([f"DiLoCo: {d.replicas} replica groups, a sync every {d.inner_steps} inner steps "
+               f"(outer lr {d.outer_lr:g}, momentum {d.outer_momentum:g})"] if d.inner_steps else [])
     return "\n".join([
         f"recipe {recipe.name}: model {config.name} ({config.hybrid_override_pattern}), "
         f"{total / 1e6:.1f}M parameters, {active / 1e6:.1f}M active",
@@ -85,4 +89,5 @@ def describe(recipe) -> str:
         f"optimizer {recipe.optimizer.name} lr {recipe.optimizer.lr:g}, schedule {recipe.schedule.name}, "
         f"precision {t.precision}, data {recipe.data.source}"
         + (f" ({recipe.data.path})" if recipe.data.source != "synthetic" else ""),
+        *diloco,
     ])

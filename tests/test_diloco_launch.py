@@ -1,0 +1,165 @@
+"""DiLoCo across nodes through the cluster launcher: `cluster/train_diloco.sh` on two "nodes" of this
+machine (two replica groups, one process each, gloo, the lighthouse started by group 0's script), and
+`cluster/train_multinode.sbatch` with DILOCO=1 mapping SLURM onto one replica group per node (a dry
+run with `srun`, `scontrol` and python stubbed)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "a2_pretrain" / "recipes" / "tiny.yaml"
+# 4 steps of 4 x 32 tokens over two groups, a sync (and a checkpoint) every 2
+SMALL = {"train.seq_len": 32, "train.global_batch_size": 4, "train.micro_batch_size": 0, "train.token_budget": 512,
+         "checkpoint.every_steps": 2, "checkpoint.keep_last": 0, "checkpoint.export_hf": False,
+         "eval.every_steps": 0, "eval.batches": 1, "log.every_steps": 1, "log.progress_bar": False,
+         "log.tensorboard": False, "parallel.diloco.inner_steps": 2, "parallel.diloco.replicas": 2}
+
+
+def _sets(overrides: dict) -> list[str]:
+    return [arg for key, value in overrides.items() for arg in ("--set", f"{key}={str(value).lower()}")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_nodes_of_the_launcher_train_one_diloco_run(tmp_path):
+    """Both groups finish the budget, each on its own half of the tokens, and end with the same model
+    (the last sync's): the lighthouse came up on group 0's node and the groups met there."""
+    pytest.importorskip("torchft", reason="DiLoCo runs through torchft: pip install 'onenode[diloco]'")
+    out, port = tmp_path / "run", _free_port()
+    nodes = []
+    for replica in range(2):
+        env = {**os.environ, "PYTHON": sys.executable, "NNODES": "2", "NODE_RANK": str(replica), "NPROC": "1",
+               "LIGHTHOUSE_HOST": "localhost", "LIGHTHOUSE_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        for key in ("REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)
+        log = (tmp_path / f"node{replica}.log").open("w")
+        nodes.append(subprocess.Popen(["bash", str(ROOT / "cluster" / "train_diloco.sh"), str(TINY), "--out",
+                                       str(out), *_sets(SMALL)], env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        codes = [node.wait(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    logs = [(tmp_path / f"node{r}.log").read_text() for r in range(2)]
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "torchft lighthouse at" in logs[0] and "torchft lighthouse at" not in logs[1]
+    folders = [out, out / "replica_1"]
+    manifests = [json.loads((folder / "run_manifest.json").read_text()) for folder in folders]
+    for replica, manifest in enumerate(manifests):
+        assert manifest["status"] == "finished" and manifest["steps"] == 4
+        assert manifest["tokens_seen"] == manifest["data_tokens_served"] == 512  # both groups' tokens
+        assert manifest["diloco"] == {"replica_group": replica}
+    losses = [[json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()
+               if '"loss"' in line] for folder in folders]
+    assert losses[0] != losses[1]  # each group its own slice of the data
+    weights = [json.loads((folder / "checkpoints" / "step_00000004" / "meta.json").read_text())["weights_sha256"]
+               for folder in folders]
+    assert weights[0] == weights[1]  # the same model after the last sync
+
+
+def _stub_cluster(tmp_path: Path, check_line: str) -> tuple[dict, Path]:
+    """`srun` running each node's task in turn, `scontrol` naming node-a and node-b, and a python that
+    prints `check_line` for `onenode train --check` and otherwise writes what it was asked to run."""
+    bin_dir, submit = tmp_path / "bin", tmp_path / "submit"
+    bin_dir.mkdir()
+    submit.mkdir()
+    (submit / "cluster").symlink_to(ROOT / "cluster")
+    calls = tmp_path / "calls.jsonl"
+    names = "('REPLICA_GROUP_ID', 'TORCHFT_LIGHTHOUSE', 'MASTER_ADDR')"
+    record = (f'{sys.executable} -c "import json, os, sys; print(json.dumps({{\'argv\': sys.argv[1:], '
+              f"'env': {{k: os.environ.get(k) for k in {names}}}}}))\" "
+              f'"$@" >> {calls}')
+    stubs = {
+        "srun": '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
+                'for id in $(seq 0 $((SLURM_JOB_NUM_NODES - 1))); do SLURM_NODEID=$id "$@" || exit $?; done\n',
+        "scontrol": '#!/usr/bin/env bash\n'
+                    '[ "$1 $2 $3" = "show hostnames node-[a-b]" ] && printf "node-a\\nnode-b\\n"\n',
+        # the lighthouse (python -c ... &) records itself and stays up until the script ends it; group 0's
+        # torchrun waits for that record, so the script cannot end it first
+        "python": f'#!/usr/bin/env bash\ncase " $* " in *" --check "*) echo "{check_line}"; exit 0;; esac\n'
+                  f'if [ "${{REPLICA_GROUP_ID:-}}" = 0 ]; then for i in $(seq 100); do\n'
+                  f'  grep -q \'"-c"\' {calls} 2>/dev/null && break; sleep 0.1; done; fi\n'
+                  f'{record}\n[ "$1" = -c ] && exec sleep 60\nexit 0\n',
+    }
+    for name, text in stubs.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"),
+           "SLURM_SUBMIT_DIR": str(submit), "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node-[a-b]",
+           "SLURM_JOB_ID": "4242", "SLURM_GPUS_ON_NODE": "8", "DILOCO": "1"}
+    for key in ("NPROC", "MASTER_PORT", "LIGHTHOUSE_PORT", "TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID"):
+        env.pop(key, None)
+    return env, calls
+
+
+def _sbatch(env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "cluster" / "train_multinode.sbatch"), "recipe.yaml", "--out", "runs/x"],
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_the_sbatch_script_runs_one_replica_group_per_node_and_the_lighthouse_on_the_first(tmp_path):
+    env, calls = _stub_cluster(tmp_path, "DiLoCo: 2 replica groups, a sync every 32 inner steps")
+    result = _sbatch(env)
+    assert result.returncode == 0, result.stderr
+    launched = [json.loads(line) for line in calls.read_text().splitlines()]
+    lighthouses = [call for call in launched if call["argv"][0] == "-c"]
+    assert [call["argv"][2:] for call in lighthouses] == [["[::]:29510", "2"]]  # once, for 2 replica groups
+    assert lighthouses[0]["env"]["REPLICA_GROUP_ID"] is None  # started before this node's group
+    groups = [call for call in launched if call["argv"][0] == "-m"]
+    assert groups == [
+        {"argv": ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+                  "-m", "onenode.cli", "train", "recipe.yaml", "--out", "runs/x"],
+         "env": {"REPLICA_GROUP_ID": str(rank), "TORCHFT_LIGHTHOUSE": "http://node-a:29510", "MASTER_ADDR": None}}
+        for rank in range(2)]
+
+
+@pytest.mark.parametrize("check_line, nodes, line", [
+    ("", "2", "error: recipe.yaml trains without DiLoCo: add --set parallel.diloco.inner_steps=H"),
+    ("DiLoCo: 3 replica groups, a sync every 32 inner steps", "2",
+     "error: 2 nodes for parallel.diloco.replicas 3: launch one node per replica group (sbatch --nodes 3)"),
+])
+def test_a_recipe_that_does_not_fit_the_nodes_is_one_line_before_anything_starts(tmp_path, check_line, nodes, line):
+    env, calls = _stub_cluster(tmp_path, check_line)
+    result = _sbatch({**env, "SLURM_JOB_NUM_NODES": nodes})
+    assert result.returncode == 2
+    assert result.stderr.startswith(line) and result.stderr.count("\n") == 1
+    assert not calls.exists()  # no lighthouse, no training
+
+
+def test_check_prints_the_diloco_line_the_launcher_reads():
+    from onenode.train.cli import describe
+    from onenode.train.recipe import load_recipe
+
+    assert "DiLoCo" not in describe(load_recipe(TINY))
+    plan = describe(load_recipe(TINY, {"parallel.diloco.inner_steps": 4, "parallel.diloco.replicas": 2}))
+    assert plan.splitlines()[-1].startswith("DiLoCo: 2 replica groups, a sync every 4 inner steps")
+
+
+def test_a_group_advertises_a_store_the_other_nodes_can_reach(monkeypatch):
+    """torchrun on one node and a process on its own name their store localhost; torchft hands the
+    first group's store to every group, so the name it gets is this machine's (where it resolves)."""
+    from onenode.parallel.diloco import store_host
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-a")
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, port: [])
+    assert [store_host(addr) for addr in ("localhost", "127.0.0.1", "::1")] == ["node-a"] * 3
+    assert store_host("node-b") == "node-b"
+
+    def unresolved(host, port):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unresolved)
+    assert store_host("localhost") == "localhost"
