@@ -1,0 +1,179 @@
+"""`optimizer.state: cpu`: AdamW's float32 masters and both moments in pinned host memory, the bf16
+copies and their gradients on the GPU; each step streams the state through the GPU a chunk at a
+time and updates it there with the kit's fused update.
+
+On one H200 a model's size is bounded by what a parameter costs on the GPU: 16 bytes in bf16 with
+AdamW (float32 master, two float32 moments, the bf16 copy) plus its bf16 gradient. Here the GPU
+keeps the copy and its gradient, 4 bytes; the 12 bytes of state (8 with `optimizer.moments:
+bfloat16`) live in host memory. `group6-7b` (7.0B parameters) needs 84 GB of state: in host memory.
+
+The step (`AdamWOffloaded.update_chunks`), chunk by chunk (`master_update.chunks`, each cut to at
+most `CHUNK_BYTES` of state): an upload stream copies the chunk's masters, moments and step counts
+to the GPU, the compute stream runs the update on them (`master_update._adamw`, compiled; it also
+writes the bf16 copies), a download stream copies them back. Chunk i+1's upload overlaps chunk i's
+update and chunk i-1's download, host-to-device and device-to-host at once on their own copy
+engines; the host waits for chunk i-2's download before it allocates chunk i, so at most two chunks
+of state are on the GPU (the largest chunk is group6-7b's embedding or LM head: 2 GB).
+
+Why the kit's own and not torchao's `CPUOffloadOptimizer`:
+- torchao steps on the CPU (torch's CPU AdamW over a host copy of each parameter, the parameter
+  itself staying on the GPU). The kit's parameters are the float32 masters, so torchao would keep
+  them on the GPU (4 bytes a parameter, 28 GB of group6-7b) besides its host copy, and run the
+  arithmetic at the host's speed: torch's fused CPU AdamW updated 55M float32 parameters a second
+  on one core of the CPU machine this was written on, so 7B parameters take about 2 core-minutes a
+  step, against one memory-bound pass on the GPU here.
+- Its update is torch's AdamW after torch's clip, not the kit's fused step (the clip, AdamW and the
+  bf16 copies written in one pass), so an offloaded run would not take a non-offloaded run's
+  numbers; here it does, bit for bit (the same `_adamw` on the same state objects), so checkpoints,
+  resume and A2's replay read and continue it unchanged. Its state dict is an inner optimizer's
+  over host copies, which DCP's `get_state_dict` cannot name by the model's parameters.
+- It is not on the GPU image; this needs nothing but torch.
+What the host link carries is the state: 12 bytes a parameter each way a step (8 with bfloat16
+moments), where torchao moves a gradient down and a parameter up (8 bytes in float32): on a GH200's
+NVLink-C2C that is a fraction of a step, on an H200's PCIe Gen5 (about 55 GB/s each way) about 1.5 s
+for group6-7b, overlapped only with the update itself (the clip needs every gradient first).
+
+On a CPU the device is the CPU: the masters stay where they are, and the same loop copies each
+chunk's state to new tensors and back, plainly and without streams, which is what the tests run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..parallel.mixed_precision import MasterWeights
+from .master_update import AdamWCompactMoments, _adamw, _compiled_adamw, _graphs_allowed
+
+CHUNK_BYTES = 1 << 29  # 512 MiB: a chunk's state at most, unless one parameter alone holds more
+
+
+def offload_masters(weights: MasterWeights) -> torch.device:
+    """Move every float32 master that has a bf16 copy into host memory, pinned when the copies are
+    on a GPU, in place (the same Parameter objects: the optimizer, state dicts and hooks keep them);
+    returns the copies' device, where the step computes. On a CPU nothing moves."""
+    device = next(iter(weights.copy_of.values())).device
+    masters = {id(master): master for unit in weights.units for master in unit.masters}
+    for master in masters.values():
+        if master.device.type != "cpu":
+            host = master.detach().to("cpu")
+            master.data = host.pin_memory() if device.type == "cuda" else host
+    return device
+
+
+class AdamWOffloaded(AdamWCompactMoments):
+    """AdamW on parameters in host memory, its state there too (pinned when `device` is a GPU),
+    stepped on `device` a chunk at a time (see the module docstring). Its moments are float32 or
+    `moments_dtype`; its numbers are `AdamWCompactMoments`' (torch's AdamW for float32 moments).
+    Parameters on a GPU (none, from `offload_masters`) keep their state there, updated in place."""
+
+    def __init__(self, params, device: torch.device | str, moments_dtype: torch.dtype = torch.float32, **options):
+        super().__init__(params, moments_dtype=moments_dtype, on_device=False, **options)
+        self.device = torch.device(device)
+        self._copy_streams = None
+
+    def place_state(self, state: dict) -> None:
+        """Host tensors of a parameter's state pinned (on a GPU machine): uploads that do not wait."""
+        if self.device.type == "cuda":
+            for key, value in state.items():
+                if value.device.type == "cpu" and not value.is_pinned():
+                    state[key] = value.pin_memory()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load (each state tensor cast to its parameter's dtype and device), then the moments
+        in `moments_dtype` and pinned again."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(self.moments_dtype)
+            self.place_state(state)
+
+    def update_chunks(self, calls: list[tuple], coef: torch.Tensor, update=None) -> None:
+        """`master_update._update` with each chunk's host tensors copied to the device and back."""
+        cuda = self.device.type == "cuda"
+        if update is None:
+            update = _compiled_adamw() if cuda else _adamw
+        calls = [piece for call in calls for piece in _bounded(call)]
+        if not calls:
+            return
+        compute = torch.cuda.current_stream(self.device) if cuda else None
+        if cuda and self._copy_streams is None:
+            self._copy_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+        uploads, downloads = self._copy_streams if cuda else (None, None)
+        if cuda:  # the uploads read what the step queued before: gradients, a loaded checkpoint's masters
+            uploads.wait_stream(compute)
+        coef = coef.to(self.device)
+        downloaded = []  # per chunk: the event after its download (GPU)
+        with _graphs_allowed(calls):
+            for index, (chunk, _, lr, hyper) in enumerate(calls):
+                if cuda and index >= 2:  # chunk index-2's staging freed: two chunks on the GPU at most
+                    downloaded[index - 2].synchronize()
+                with _on(uploads):
+                    staged, back = _upload(chunk, self.device, cuda, streams=(compute, downloads))
+                    if cuda:
+                        compute.wait_stream(uploads)
+                params, grads, exp_avgs, exp_avg_sqs, steps, copies = staged
+                update(params, grads, exp_avgs, exp_avg_sqs, steps, copies, lr.to(self.device), coef, *hyper)
+                with _on(downloads):
+                    if cuda:
+                        downloads.wait_stream(compute)
+                    for host, device_tensor in back:
+                        host.copy_(device_tensor, non_blocking=cuda)
+                    if cuda:
+                        downloaded.append(downloads.record_event())
+        if cuda:  # what follows the step (the next forward, a checkpoint) sees the state written back
+            compute.wait_stream(downloads)
+
+
+def _on(stream) -> contextlib.AbstractContextManager:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _state_bytes(member) -> int:
+    param, _, state, _ = member
+    return sum(t.numel() * t.element_size() for t in (param, state["exp_avg"], state["exp_avg_sq"]))
+
+
+def _bounded(call: tuple) -> list[tuple]:
+    """A chunked call cut into calls of at most `CHUNK_BYTES` of state each (one parameter at least)."""
+    chunk, signatures, lr, hyper = call
+    pieces, start, size = [], 0, 0
+    for i, member in enumerate(chunk):
+        if i > start and size + _state_bytes(member) > CHUNK_BYTES:
+            pieces.append((chunk[start:i], signatures[start:i], lr, hyper))
+            start, size = i, 0
+        size += _state_bytes(member)
+    pieces.append((chunk[start:], signatures[start:], lr, hyper))
+    return pieces
+
+
+def _upload(chunk: list, device: torch.device, cuda: bool, streams: tuple) -> tuple[tuple, list]:
+    """The chunk's tensors on `device` (a host tensor copied to a new one, even where the device is
+    the CPU; a GPU tensor itself), as the update's lists, and the (host, device) pairs the update
+    writes, to copy back. On a GPU a new tensor is recorded on `streams` (compute, downloads), which
+    use it after the upload stream that made it."""
+    back = []
+
+    def staged(tensor: torch.Tensor, written: bool) -> torch.Tensor:
+        if tensor.device.type != "cpu":
+            return tensor
+        on_device = torch.empty_like(tensor, device=device)
+        on_device.copy_(tensor, non_blocking=cuda)
+        if cuda:
+            for stream in streams:
+                on_device.record_stream(stream)
+        if written:
+            back.append((tensor, on_device))
+        return on_device
+
+    columns = ([], [], [], [], [], [])
+    for param, grad, state, copy in chunk:
+        columns[0].append(staged(param, True))
+        columns[1].append(staged(grad, False))
+        columns[2].append(staged(state["exp_avg"], True))
+        columns[3].append(staged(state["exp_avg_sq"], True))
+        columns[4].append(staged(state["step"], True))
+        columns[5].append(copy)
+    return columns, back
