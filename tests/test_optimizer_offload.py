@@ -7,6 +7,7 @@ optimizer state, and verify under A2's replay."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,6 @@ def test_an_offloaded_run_resumes_bit_for_bit(tmp_path):
     ({"optimizer.name": "muon"}, "is AdamW's: set optimizer.name adamw"),
     ({"train.precision": "fp32"}, "set train.precision bf16"),
     ({"train.fused_update": False}, "set train.fused_update true"),
-    ({"train.micro_batch_size": 2}, "set train.micro_batch_size 0"),
     ({"parallel.dp": 2}, "launch one process"),
     ({"parallel.ep": 2}, "launch one process"),
 ])
@@ -102,9 +102,35 @@ def test_the_recipe_refuses_what_offloaded_state_cannot_run_in_one_line(override
     load_recipe(TINY, {**SETTINGS, **override})  # the same recipe with the state on the device runs
 
 
+def test_an_offloaded_step_takes_one_micro_batch():
+    """Accumulated gradients add up in float32 on the masters, in host memory: refused where the
+    layout is known, in one line."""
+    from onenode.train.assembly import assemble
+
+    with pytest.raises(RecipeError, match=r"optimizer.state: cpu takes one micro-batch a step \(2 would .*"
+                                          r"set train.micro_batch_size 0$"):
+        assemble(load_recipe(TINY, {**SETTINGS, "optimizer.state": "cpu", "train.micro_batch_size": 2}))
+
+
 def test_the_option_is_out_of_the_training_hash_at_its_default():
     with pytest.raises(RecipeError, match=r"optimizer.state: is device or cpu"):
         load_recipe(TINY, {**SETTINGS, "optimizer.state": "host"})
     default, explicit = load_recipe(TINY, SETTINGS), load_recipe(TINY, {**SETTINGS, "optimizer.state": "device"})
     offloaded = load_recipe(TINY, {**SETTINGS, "optimizer.state": "cpu"})
     assert default.training_sha256 == explicit.training_sha256 != offloaded.training_sha256
+
+
+def test_bench_records_the_offloaded_step_and_peak_host_memory(tmp_path):
+    """`onenode bench ... --set optimizer.state=cpu`, the GPU record's command, on the tiny model:
+    the record names the option and carries the process's peak resident host memory (on a CPU the
+    same figure as its peak memory), which the GPU record compares with and without offload."""
+    from onenode import cli
+
+    out = tmp_path / "record.json"
+    assert cli.main(["bench", "--preset", "tiny", "--seq-len", "32", "--steps", "2", "--warmup", "1", "--quiet",
+                     "--dtype", "bf16", "--set", "optimizer.state=cpu", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["recipe"]["optimizer"]["state"] == "cpu" and record["layout"]["dtype"] == "bf16"
+    results = record["results"]
+    assert results["peak_cpu_memory_gib"] > 0.1
+    assert results["peak_cpu_memory_gib"] == pytest.approx(results["peak_memory_gib"], rel=0.05)

@@ -183,6 +183,9 @@ def assemble(recipe: Recipe, *, device: torch.device | str | None = None,
     if recipe.optimizer.state == "cpu" and world > 1:
         raise RecipeError(f"recipe: optimizer.state: cpu runs one process (FSDP across {world} ranks keeps the state "
                           "on each GPU): launch one process, or set optimizer.state device")
+    if recipe.optimizer.state == "cpu" and layout.accumulation > 1:
+        raise RecipeError(f"recipe: optimizer.state: cpu takes one micro-batch a step ({layout.accumulation} would add "
+                          "up their gradients on the masters): set train.micro_batch_size 0")
     if t.deterministic:
         use_deterministic_kernels()
     config = recipe.model_config()

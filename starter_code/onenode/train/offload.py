@@ -15,23 +15,27 @@ update and chunk i-1's download, host-to-device and device-to-host at once on th
 engines; the host waits for chunk i-2's download before it allocates chunk i, so at most two chunks
 of state are on the GPU (the largest chunk is group6-7b's embedding or LM head: 2 GB).
 
-Why the kit's own and not torchao's `CPUOffloadOptimizer`:
-- torchao steps on the CPU (torch's CPU AdamW over a host copy of each parameter, the parameter
-  itself staying on the GPU). The kit's parameters are the float32 masters, so torchao would keep
-  them on the GPU (4 bytes a parameter, 28 GB of group6-7b) besides its host copy, and run the
-  arithmetic at the host's speed: torch's fused CPU AdamW updated 55M float32 parameters a second
-  on one core of the CPU machine this was written on, so 7B parameters take about 2 core-minutes a
-  step, against one memory-bound pass on the GPU here.
-- Its update is torch's AdamW after torch's clip, not the kit's fused step (the clip, AdamW and the
-  bf16 copies written in one pass), so an offloaded run would not take a non-offloaded run's
-  numbers; here it does, bit for bit (the same `_adamw` on the same state objects), so checkpoints,
-  resume and A2's replay read and continue it unchanged. Its state dict is an inner optimizer's
-  over host copies, which DCP's `get_state_dict` cannot name by the model's parameters.
+Why the kit's own and not torchao's `CPUOffloadOptimizer` (torchao 0.18):
+- torchao keeps each parameter on the GPU and a host copy of it, and steps the host copies with
+  torch's CPU AdamW. The kit's parameters are the float32 masters (the bf16 copies are what the GPU
+  computes with), so the masters would stay on the GPU (4 bytes a parameter: 28 GB of group6-7b)
+  and their float32 gradients go to the host; here the GPU keeps only bf16.
+- Its update is torch's AdamW after torch's clip, not the kit's fused step (the clip from the bf16
+  gradients, AdamW and the bf16 copies written in one pass), so an offloaded run would not take a
+  non-offloaded run's numbers. Here it does, bit for bit (the same `_adamw` on the same state
+  objects), so checkpoints, resume and A2's replay read and continue it unchanged; torchao's state
+  dict is an inner optimizer's over its host copies, which DCP's `get_state_dict` cannot name by
+  the model's parameters.
 - It is not on the GPU image; this needs nothing but torch.
-What the host link carries is the state: 12 bytes a parameter each way a step (8 with bfloat16
-moments), where torchao moves a gradient down and a parameter up (8 bytes in float32): on a GH200's
-NVLink-C2C that is a fraction of a step, on an H200's PCIe Gen5 (about 55 GB/s each way) about 1.5 s
-for group6-7b, overlapped only with the update itself (the clip needs every gradient first).
+What it costs: the host link carries the state, 12 bytes a parameter each way a step (8 with
+bfloat16 moments), where torchao moves a gradient down and a parameter up (4 bytes each way) and
+does the arithmetic on the host. On a GH200's NVLink-C2C (about 450 GB/s each way) the state of
+group6-7b moves in about 0.2 s; on an H200's PCIe Gen5 (about 55 GB/s each way) in about 1.5 s,
+overlapped with the update only (the clip needs every gradient first), where torchao's transfers
+take about 0.5 s and overlap the backward, and its host step reads and writes 28 bytes a parameter
+(torch's fused CPU AdamW: 0.8 G parameters a second on one core of the machine this was written on,
+so about 9 core-seconds for 7B, bound by the host's memory bandwidth across cores). Which is faster
+on an H200 host is for its record (benchmarks/README.md) to say.
 
 On a CPU the device is the CPU: the masters stay where they are, and the same loop copies each
 chunk's state to new tensors and back, plainly and without streams, which is what the tests run.

@@ -246,15 +246,13 @@ class Recipe:
 
     def _offload_needs(self) -> list[tuple[bool, str]]:
         """What `optimizer.state: cpu` needs: the fused update of one process in bf16 streams the
-        state (`train/offload.py`); every other step reads gradients on the masters, or shards them."""
+        state (`train/offload.py`); every other step reads gradients on the masters, or shards them.
+        One process and one micro-batch a step are the layout's, checked by `assembly.assemble`."""
         t, p = self.train, self.parallel
         return [
             (self.optimizer.name == "adamw", "is AdamW's: set optimizer.name adamw"),
             (t.precision == "bf16", "offloads bf16 training's float32 masters: set train.precision bf16"),
             (t.fused_update, "streams the state through the fused update: set train.fused_update true"),
-            (t.micro_batch_size in (0, t.global_batch_size),
-             "takes one micro-batch a step (accumulated gradients would sit on the masters): set "
-             "train.micro_batch_size 0"),
             (p.dp in (-1, 1) and p.ep == 1 and p.pp == 1 and not p.diloco.inner_steps,
              "runs one process (FSDP across ranks keeps the state on each GPU): set parallel dp -1, ep 1, pp 1, "
              "no diloco, and launch one process"),
