@@ -101,6 +101,12 @@ def _compiled_adamw():
     return torch.compile(_adamw, dynamic=False)
 
 
+def chunk_update(device: torch.device):
+    """The function a chunk's update runs on `device`: `_adamw`, compiled on a GPU (`offload.py`
+    calls it on the chunks it copies there)."""
+    return _compiled_adamw() if device.type == "cuda" else _adamw
+
+
 def _signature(member) -> tuple:
     """What a compiled graph specializes on, per parameter: chunks of equal signatures share a graph."""
     param, grad, state, copy = member
@@ -117,7 +123,7 @@ def chunks(members: list) -> list[tuple[tuple, list]]:
             for i in range(0, len(keyed), CHUNK)]
 
 
-def _graphs_allowed(calls: list[tuple]) -> contextlib.AbstractContextManager:
+def graphs_allowed(calls: list[tuple]) -> contextlib.AbstractContextManager:
     """Room in dynamo's cache for one graph per distinct chunk of this step (its default limit of 8
     per function would send the rest to eager): at most the number of chunks, in practice about two
     per distinct parameter shape."""
@@ -180,8 +186,8 @@ def _update(calls: list[tuple], coef: torch.Tensor, update=None) -> None:
     if not calls:
         return
     if update is None:
-        update = _compiled_adamw() if calls[0][0][0][1].is_cuda else _adamw
-    with _graphs_allowed(calls):
+        update = chunk_update(calls[0][0][0][1].device)
+    with graphs_allowed(calls):
         for chunk, _, lr, hyper in calls:
             params, chunk_grads, states, copies = (list(column) for column in zip(*chunk))
             update(params, chunk_grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],

@@ -9,7 +9,7 @@ bfloat16`) live in host memory. `group6-7b` (7.0B parameters) needs 84 GB of sta
 
 The step (`AdamWOffloaded.update_chunks`), chunk by chunk (`master_update.chunks`, each cut to at
 most `CHUNK_BYTES` of state): an upload stream copies the chunk's masters, moments and step counts
-to the GPU, the compute stream runs the update on them (`master_update._adamw`, compiled; it also
+to the GPU, the compute stream runs the update on them (`master_update.chunk_update`, compiled; it also
 writes the bf16 copies), a download stream copies them back. Chunk i+1's upload overlaps chunk i's
 update and chunk i-1's download, host-to-device and device-to-host at once on their own copy
 engines; the host waits for chunk i-2's download before it allocates chunk i, so at most two chunks
@@ -48,7 +48,7 @@ import contextlib
 import torch
 
 from ..parallel.mixed_precision import MasterWeights
-from .master_update import AdamWCompactMoments, _adamw, _compiled_adamw, _graphs_allowed
+from .master_update import AdamWCompactMoments, chunk_update, graphs_allowed
 
 CHUNK_BYTES = 1 << 29  # 512 MiB: a chunk's state at most, unless one parameter alone holds more
 
@@ -98,7 +98,7 @@ class AdamWOffloaded(AdamWCompactMoments):
         """`master_update._update` with each chunk's host tensors copied to the device and back."""
         cuda = self.device.type == "cuda"
         if update is None:
-            update = _compiled_adamw() if cuda else _adamw
+            update = chunk_update(self.device)
         calls = [piece for call in calls for piece in _bounded(call)]
         if not calls:
             return
@@ -110,7 +110,7 @@ class AdamWOffloaded(AdamWCompactMoments):
             uploads.wait_stream(compute)
         coef = coef.to(self.device)
         downloaded = []  # per chunk: the event after its download (GPU)
-        with _graphs_allowed(calls):
+        with graphs_allowed(calls):
             for index, (chunk, _, lr, hyper) in enumerate(calls):
                 if cuda and index >= 2:  # chunk index-2's staging freed: two chunks on the GPU at most
                     downloaded[index - 2].synchronize()
