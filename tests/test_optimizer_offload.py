@@ -36,7 +36,8 @@ TINY = ROOT / "a2_pretrain" / "recipes" / "tiny.yaml"
 # one process in bf16, one micro-batch a step: the fused step that `optimizer.state: cpu` streams
 SETTINGS = {"train.precision": "bf16", "train.seq_len": 32, "train.global_batch_size": 4,
             "train.micro_batch_size": 0, "train.token_budget": 4 * 4 * 32, "eval.every_steps": 0,
-            "eval.batches": 1, "log.every_steps": 1, "log.progress_bar": False, "optimizer.lr": 3e-3}
+            "eval.batches": 1, "log.every_steps": 1, "log.progress_bar": False, "optimizer.lr": 3e-3,
+            "checkpoint.export_hf": False}
 
 
 def _run(tmp_path: Path, name: str, stop_after_steps: int | None = None, resume: str | None = None,
@@ -134,3 +135,25 @@ def test_bench_records_the_offloaded_step_and_peak_host_memory(tmp_path):
     results = record["results"]
     assert results["peak_cpu_memory_gib"] > 0.1
     assert results["peak_cpu_memory_gib"] == pytest.approx(results["peak_memory_gib"], rel=0.05)
+
+
+def test_host_memory_carves_disjoint_aligned_tensors_out_of_whole_blocks(monkeypatch):
+    """Pinned host memory comes in `BLOCK_BYTES` blocks (torch rounds each pinned allocation up to a
+    power of two: up to twice group6-7b's 84 GB of state); each tensor a slice that overlaps no
+    other, aligned, holding its values; one larger than a block gets its own allocation. (Here the
+    blocks are plain memory: pinning needs a GPU.)"""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    monkeypatch.setattr(offload, "BLOCK_BYTES", 4096)
+    host = offload.HostMemory(pinned=True)
+    sources = [torch.randn(10, 10), torch.randn(7).bfloat16(), torch.tensor(3.0), torch.randn(30, 30),
+               torch.randn(2000), torch.randn(5, 5).bfloat16()]
+    copies = [host.copy_of(t) for t in sources]
+    assert all(c.dtype == t.dtype and torch.equal(c, t) for c, t in zip(copies, sources))
+    assert len(host.blocks) == 2 and all(used <= 4096 for _, used in host.blocks)
+    carved = [c for c, t in zip(copies, sources) if t.numel() * t.element_size() <= 4096]
+    spans = sorted((c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()) for c in carved)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # disjoint
+    assert all((c.data_ptr() - c.untyped_storage().data_ptr()) % offload.ALIGN == 0 for c in carved)  # in its block
+    bases = {b.data_ptr() for b, _ in host.blocks}
+    assert copies[4].data_ptr() not in bases and len(carved) == 5  # 8000 bytes: an allocation of its own

@@ -51,47 +51,84 @@ from ..parallel.mixed_precision import MasterWeights
 from .master_update import AdamWCompactMoments, chunk_update, graphs_allowed
 
 CHUNK_BYTES = 1 << 29  # 512 MiB: a chunk's state at most, unless one parameter alone holds more
+# Pinned host memory in blocks of 1 GiB, each tensor a slice of one: torch's pinned allocator rounds
+# every allocation up to a power of two (up to twice the state's bytes), a block it rounds nothing off
+BLOCK_BYTES = 1 << 30
+ALIGN = 512  # bytes: each slice starts aligned, as an allocation would
+
+
+class HostMemory:
+    """Host tensors for the masters and the state: on a GPU machine page-locked (copies to and from
+    the GPU that do not wait, on their own copy engines), carved out of `BLOCK_BYTES` blocks; on a
+    CPU plain tensors. A slice is never given back: the state is made once and loaded in place."""
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self.blocks: list[list] = []  # [block, bytes used]
+
+    def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous host copy of `tensor`."""
+        return self.empty_like(tensor).copy_(tensor)
+
+    def empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not self.pinned or nbytes > BLOCK_BYTES:
+            return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pinned)
+        block = next((b for b in self.blocks if b[1] + nbytes <= BLOCK_BYTES), None)
+        if block is None:
+            block = [torch.empty(BLOCK_BYTES, dtype=torch.uint8, pin_memory=True), 0]
+            self.blocks.append(block)
+        start = block[1]
+        block[1] += -(-nbytes // ALIGN) * ALIGN
+        return block[0][start:start + nbytes].view(tensor.dtype).view(tensor.shape)
 
 
 def offload_masters(weights: MasterWeights) -> torch.device:
-    """Move every float32 master that has a bf16 copy into host memory, pinned when the copies are
-    on a GPU, in place (the same Parameter objects: the optimizer, state dicts and hooks keep them);
-    returns the copies' device, where the step computes. On a CPU nothing moves."""
+    """Move every float32 master that has a bf16 copy into host memory (`HostMemory`), in place
+    (the same Parameter objects: the optimizer, state dicts and hooks keep them); returns the copies'
+    device, where the step computes. On a CPU nothing moves."""
     device = next(iter(weights.copy_of.values())).device
+    host = HostMemory(pinned=device.type == "cuda")
     masters = {id(master): master for unit in weights.units for master in unit.masters}
     for master in masters.values():
         if master.device.type != "cpu":
-            host = master.detach().to("cpu")
-            master.data = host.pin_memory() if device.type == "cuda" else host
+            master.data = host.copy_of(master.detach())
     return device
 
 
 class AdamWOffloaded(AdamWCompactMoments):
-    """AdamW on parameters in host memory, its state there too (pinned when `device` is a GPU),
-    stepped on `device` a chunk at a time (see the module docstring). Its moments are float32 or
-    `moments_dtype`; its numbers are `AdamWCompactMoments`' (torch's AdamW for float32 moments).
-    Parameters on a GPU (none, from `offload_masters`) keep their state there, updated in place."""
+    """AdamW on parameters in host memory, its state there too (`HostMemory`: pinned when `device`
+    is a GPU), stepped on `device` a chunk at a time (see the module docstring). Its moments are
+    float32 or `moments_dtype`; its numbers are `AdamWCompactMoments`' (torch's AdamW for float32
+    moments). Parameters on a GPU (none, from `offload_masters`) keep their state there."""
 
     def __init__(self, params, device: torch.device | str, moments_dtype: torch.dtype = torch.float32, **options):
         super().__init__(params, moments_dtype=moments_dtype, on_device=False, **options)
         self.device = torch.device(device)
+        self.host = HostMemory(pinned=self.device.type == "cuda")
         self._copy_streams = None
 
     def place_state(self, state: dict) -> None:
-        """Host tensors of a parameter's state pinned (on a GPU machine): uploads that do not wait."""
-        if self.device.type == "cuda":
+        """A parameter's new host state tensors moved into `self.host` (pinned on a GPU machine)."""
+        if self.host.pinned:
             for key, value in state.items():
                 if value.device.type == "cpu" and not value.is_pinned():
-                    state[key] = value.pin_memory()
+                    state[key] = self.host.copy_of(value)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's load (each state tensor cast to its parameter's dtype and device), then the moments
-        in `moments_dtype` and pinned again."""
+        """torch's load (each state tensor cast to its parameter's dtype and device), the moments cast
+        back to `moments_dtype`, each tensor copied into the one it replaces, where there was one:
+        a resumed run holds its state in the memory it had, pinned, not twice."""
+        held = {param: dict(state) for param, state in self.state.items()}
         super().load_state_dict(state_dict)
-        for state in self.state.values():
+        for param, state in self.state.items():
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state:
                     state[key] = state[key].to(self.moments_dtype)
+            for key, value in state.items():
+                old = held.get(param, {}).get(key)
+                if old is not None and (old.shape, old.dtype, old.device) == (value.shape, value.dtype, value.device):
+                    state[key] = old.copy_(value)
             self.place_state(state)
 
     def update_chunks(self, calls: list[tuple], coef: torch.Tensor, update=None) -> None:
