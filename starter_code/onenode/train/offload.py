@@ -5,7 +5,8 @@ time and updates it there with the kit's fused update.
 On one H200 a model's size is bounded by what a parameter costs on the GPU: 16 bytes in bf16 with
 AdamW (float32 master, two float32 moments, the bf16 copy) plus its bf16 gradient. Here the GPU
 keeps the copy and its gradient, 4 bytes; the 12 bytes of state (8 with `optimizer.moments:
-bfloat16`) live in host memory. `group6-7b` (7.0B parameters) needs 84 GB of state: in host memory.
+bfloat16`) live in host memory, page-locked in 1 GiB blocks (`HostMemory`; torch's pinned allocator
+would round each tensor up to a power of two). `group6-7b` (7.0B parameters) needs 84 GB of it.
 
 The step (`AdamWOffloaded.update_chunks`), chunk by chunk (`master_update.chunks`, each cut to at
 most `CHUNK_BYTES` of state): an upload stream copies the chunk's masters, moments and step counts
