@@ -144,8 +144,8 @@ class AdamWOffloaded(AdamWCompactMoments):
         if cuda and self._copy_streams is None:
             self._copy_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
         uploads, downloads = self._copy_streams if cuda else (None, None)
-        if cuda:  # the uploads read what the step queued before: gradients, a loaded checkpoint's masters
-            uploads.wait_stream(compute)
+        if cuda:  # the host state is written on the GPU by the downloads alone: the first uploads overlap the backward
+            uploads.wait_stream(downloads)
         coef = coef.to(self.device)
         downloaded = []  # per chunk: the event after its download (GPU)
         with graphs_allowed(calls):
