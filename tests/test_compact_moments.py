@@ -142,13 +142,18 @@ def test_the_optimizer_state_bound_allows_bfloat16_rounding_only_where_the_recip
 
 
 @pytest.mark.slow  # about 40 s: 20 steps of the tiny model, then the spans the profile draws replayed
-def test_a_run_with_bfloat16_moments_verifies(tmp_path):
+@pytest.mark.parametrize("state", ["device", "cpu"])
+def test_a_run_with_bfloat16_moments_verifies(tmp_path, state):
     """`onenode verify` on a tiny run with bfloat16 moments: the replay loads each checkpoint's
-    state (cast to float32 by torch) and takes the same bfloat16-rounded steps, bit for bit."""
+    state (cast to float32 by torch) and takes the same bfloat16-rounded steps, bit for bit. With
+    `optimizer.state: cpu` (one process in bf16, one micro-batch a step: `train/offload.py`) the
+    run and its replay stream that state through the device the same way."""
     from onenode import cli
 
     run = tmp_path / "run"
     settings = ["optimizer.moments=bfloat16", "checkpoint.every_steps=2", "checkpoint.keep_last=0",
                 "train.token_budget=10240", "log.progress_bar=false"]
+    if state == "cpu":
+        settings += ["optimizer.state=cpu", "train.precision=bf16", "train.micro_batch_size=0"]
     assert cli.main(["train", str(TINY), "--out", str(run), *[a for s in settings for a in ("--set", s)]]) == 0
     assert cli.main(["verify", str(run), "--profile", "cpu-tiny"]) == 0

@@ -15,7 +15,7 @@ from ..profiling import kernel_mix, launches, profiled, self_times, time_split, 
 from ..train.assembly import assemble, data_parallel_size
 from ..train.logging import environment, git_commit
 from ..train.recipe import Recipe, RecipeError, from_dict, load_recipe, parse_override
-from .device import matmul_ceiling, max_over_ranks, peak_memory_bytes, sync, synthetic_batches
+from .device import matmul_ceiling, max_over_ranks, peak_memory_bytes, peak_resident_bytes, sync, synthetic_batches
 from .peer import build_transformers_peer
 from .record import RECORD_VERSION, command_line
 
@@ -143,6 +143,7 @@ def run(args) -> dict:
         "mfu_vs_ceiling": None,
         "peak_memory_gib": memory / 2**30,
         "memory_kind": memory_kind,
+        "peak_cpu_memory_gib": max_over_ranks(peak_resident_bytes(), world, device) / 2**30,
         "step_split": split,
         # shares of the profiled window's wall time (profiler overhead included)
         "compute_share": split and split["compute_s"] / split["window_s"],

@@ -27,7 +27,8 @@ TABLE_ROWS = {
            "an H100 or H200); in brackets the FLOP/s each GPU achieved",
     "vs ceiling": "(--measure-ceiling) the same FLOP/s against a large bf16 matmul timed in this process",
     "peak memory": "the most memory one rank held: torch.cuda.max_memory_allocated on a GPU (cuda_max_allocated), "
-                   "the process's peak resident memory on a CPU (cpu_max_rss)",
+                   "the process's peak resident memory on a CPU (cpu_max_rss); on a GPU also the host's: the "
+                   "process's peak resident memory (where optimizer.state: cpu keeps the optimizer state)",
     "time split": "(--profile, or several processes) shares of the profiled steps' wall time: compute kernels; "
                   "collective kernels (NCCL; gloo on a CPU); exposed: collective time no compute overlapped; "
                   "idle: time no kernel ran (on a GPU: the host was behind, or waiting on a sync)",
@@ -105,7 +106,9 @@ def format_table(record: dict) -> str:
     if r["ceiling_tflops"]:
         rows.append(("vs ceiling", f"{_percent(r['mfu_vs_ceiling'])} of a measured "
                                    f"{r['ceiling_tflops']:.3g} TFLOP/s matmul"))
-    rows.append(("peak memory", f"{r['peak_memory_gib']:.2f} GiB ({r['memory_kind']})"))
+    host = r.get("peak_cpu_memory_gib")  # records before it have none; on a CPU it is the peak memory itself
+    host = f", host {host:.2f} GiB resident" if host is not None and r["memory_kind"] != "cpu_max_rss" else ""
+    rows.append(("peak memory", f"{r['peak_memory_gib']:.2f} GiB ({r['memory_kind']}){host}"))
     if r["step_split"]:
         rows.append(("time split", f"compute {r['compute_share']:.1%}, communication {r['comm_share']:.1%} "
                                    f"(exposed {r['exposed_comm_share']:.1%}), idle {r['idle_share']:.1%} "

@@ -209,12 +209,31 @@ def _a1_1gpu() -> NemotronHConfig:
     )
 
 
+def _group6_7b() -> NemotronHConfig:
+    """The shape of the course's best A2 model (Group 6): about 7.0B parameters, 1.04B active per
+    token (`count_parameters`), for one GPU with the optimizer state in CPU memory
+    (`optimizer.state: cpu`): its float32 masters and moments alone are 84 GB.
+
+    38 layers in Nano's rhythm (17 Mamba, 16 MoE, 5 attention), 64 routed experts top-4 with one
+    shared expert of the same size, Mamba inner size 1.6x hidden with 8 groups and state 128,
+    GQA with 2 KV heads.
+    """
+    return NemotronHConfig(
+        name="group6-7b", vocab_size=131072, hidden_size=1280,
+        hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEM",
+        num_attention_heads=16, num_key_value_heads=2, head_dim=128,
+        mamba_num_heads=32, mamba_head_dim=64, ssm_state_size=128, n_groups=8, chunk_size=128,
+        intermediate_size=2432, n_routed_experts=64, num_experts_per_tok=4, moe_intermediate_size=2432,
+        moe_shared_expert_intermediate_size=2432,
+    )
+
+
 def _nano_30b_a3b() -> NemotronHConfig:
     """Nemotron-3-Nano-30B-A3B, the public architecture (random weights here)."""
     return NemotronHConfig(name="nemotron-3-nano-30b-a3b")
 
 
-PRESETS = {"tiny": _tiny, "a1-1gpu": _a1_1gpu, "nemotron-3-nano-30b-a3b": _nano_30b_a3b}
+PRESETS = {"tiny": _tiny, "a1-1gpu": _a1_1gpu, "group6-7b": _group6_7b, "nemotron-3-nano-30b-a3b": _nano_30b_a3b}
 
 
 def get_preset(name: str, **overrides) -> NemotronHConfig:

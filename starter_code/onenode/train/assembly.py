@@ -180,6 +180,12 @@ def assemble(recipe: Recipe, *, device: torch.device | str | None = None,
     if t.cuda_graphs and (world > 1 or device.type != "cuda"):
         raise RecipeError("recipe: train.cuda_graphs replays compiled layers in one process on a GPU (under FSDP they "
                           "would be recorded again every step): set it false, or run one process on a CUDA device")
+    if recipe.optimizer.state == "cpu" and world > 1:
+        raise RecipeError(f"recipe: optimizer.state: cpu runs one process (FSDP across {world} ranks keeps the state "
+                          "on each GPU): launch one process, or set optimizer.state device")
+    if recipe.optimizer.state == "cpu" and layout.accumulation > 1:
+        raise RecipeError(f"recipe: optimizer.state: cpu takes one micro-batch a step ({layout.accumulation} would add "
+                          "up their gradients on the masters): set train.micro_batch_size 0")
     if t.deterministic:
         use_deterministic_kernels()
     config = recipe.model_config()
@@ -197,7 +203,7 @@ def assemble(recipe: Recipe, *, device: torch.device | str | None = None,
     o = recipe.optimizer
     muon = vars(o.muon) if o.name == "muon" else {}
     optimizer = build_optimizer(parallel, o.name, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
-                                eps=o.eps, moments=o.moments, **muon)
+                                eps=o.eps, moments=o.moments, state=o.state, **muon)
     if recipe.moe.aux_loss_coef > 0 and parallel.pipeline is not None:
         raise RecipeError("recipe: moe.aux_loss_coef needs parallel.pp: 1 (pipeline stages compute their own loss)")
     balancer = RouterBalancer(parallel, aux_loss=recipe.moe.aux_loss_coef > 0)

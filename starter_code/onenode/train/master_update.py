@@ -38,9 +38,10 @@ CHUNK = 16  # parameters per compiled call: bounds each graph's size (and compil
 
 def applies(weights: MasterWeights | None, optimizer, accumulation_steps: int) -> bool:
     """Whether this step can be the fused one: bf16 copies over float32 masters, one micro-batch,
-    plain AdamW (its moments in the parameters' dtype or in `AdamWCompactMoments`'s)."""
-    if weights is None or accumulation_steps != 1 or type(optimizer) not in (torch.optim.AdamW,
-                                                                               AdamWCompactMoments):
+    plain AdamW (its moments in the parameters' dtype), or `AdamWCompactMoments` and its kinds
+    (`offload.AdamWOffloaded`), whose step is this update."""
+    plain = type(optimizer) is torch.optim.AdamW or isinstance(optimizer, AdamWCompactMoments)
+    if weights is None or accumulation_steps != 1 or not plain:
         return False
     return not any(group["amsgrad"] or group["maximize"] or group["differentiable"]
                    for group in optimizer.param_groups)
@@ -50,7 +51,8 @@ def _state(optimizer: torch.optim.AdamW, group: dict, param: torch.Tensor) -> di
     """`param`'s AdamW state, made as torch's AdamW makes it on its first step (a step count on the
     device for its fused and capturable kinds, else on the host; both moments zero), its moments in
     the optimizer's `moments_dtype` where it has one (a loaded state is cast back to it: torch's
-    `load_state_dict` casts every state tensor to its parameter's dtype)."""
+    `load_state_dict` casts every state tensor to its parameter's dtype), each placed by the
+    optimizer's `place_state` where it has one (`offload.AdamWOffloaded`: pinned host memory)."""
     state = optimizer.state[param]
     dtype = getattr(optimizer, "moments_dtype", param.dtype)
     if not state:
@@ -60,6 +62,10 @@ def _state(optimizer: torch.optim.AdamW, group: dict, param: torch.Tensor) -> di
         state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
     elif state["exp_avg"].dtype != dtype:
         state["exp_avg"], state["exp_avg_sq"] = state["exp_avg"].to(dtype), state["exp_avg_sq"].to(dtype)
+    else:
+        return state
+    if hasattr(optimizer, "place_state"):
+        optimizer.place_state(state)
     return state
 
 
@@ -95,6 +101,12 @@ def _compiled_adamw():
     return torch.compile(_adamw, dynamic=False)
 
 
+def chunk_update(device: torch.device):
+    """The function a chunk's update runs on `device`: `_adamw`, compiled on a GPU (`offload.py`
+    calls it on the chunks it copies there)."""
+    return _compiled_adamw() if device.type == "cuda" else _adamw
+
+
 def _signature(member) -> tuple:
     """What a compiled graph specializes on, per parameter: chunks of equal signatures share a graph."""
     param, grad, state, copy = member
@@ -111,7 +123,7 @@ def chunks(members: list) -> list[tuple[tuple, list]]:
             for i in range(0, len(keyed), CHUNK)]
 
 
-def _graphs_allowed(calls: list[tuple]) -> contextlib.AbstractContextManager:
+def graphs_allowed(calls: list[tuple]) -> contextlib.AbstractContextManager:
     """Room in dynamo's cache for one graph per distinct chunk of this step (its default limit of 8
     per function would send the rest to eager): at most the number of chunks, in practice about two
     per distinct parameter shape."""
@@ -135,7 +147,7 @@ def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_no
     coef = torch.ones_like(total_norm)
     if max_norm and max_norm > 0:
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    _update(calls, coef, update)
+    getattr(optimizer, "update_chunks", _update)(calls, coef, update)
     weights.drop_copy_grads()
     weights.copies_written()
     return total_norm
@@ -174,8 +186,8 @@ def _update(calls: list[tuple], coef: torch.Tensor, update=None) -> None:
     if not calls:
         return
     if update is None:
-        update = _compiled_adamw() if calls[0][0][0][1].is_cuda else _adamw
-    with _graphs_allowed(calls):
+        update = chunk_update(calls[0][0][0][1].device)
+    with graphs_allowed(calls):
         for chunk, _, lr, hyper in calls:
             params, chunk_grads, states, copies = (list(column) for column in zip(*chunk))
             update(params, chunk_grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
@@ -205,5 +217,9 @@ class AdamWCompactMoments(torch.optim.AdamW):
                 loss = closure()
         calls, _ = _calls(self, lambda param: None)
         if calls:
-            _update(calls, torch.ones((), device=calls[0][2].device))
+            self.update_chunks(calls, torch.ones((), device=calls[0][2].device))
         return loss
+
+    def update_chunks(self, calls: list[tuple], coef: torch.Tensor, update=None) -> None:
+        """Run this step's chunked calls (`_update`; `offload.AdamWOffloaded` streams its state)."""
+        _update(calls, coef, update)

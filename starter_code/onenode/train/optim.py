@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .master_update import AdamWCompactMoments
+from .offload import AdamWOffloaded
 from .weight_decay import param_groups
 
 # Parameter names that stay on AdamW whatever their shape: token-level lookups and the router,
@@ -159,14 +160,20 @@ MOMENTS = {"float32": None, "bfloat16": torch.bfloat16}
 
 
 def build_adamw(named_parameters: Iterable[tuple[str, nn.Parameter]], lr: float, weight_decay: float,
-                betas: tuple[float, float], eps: float, moments: str = "float32") -> torch.optim.AdamW:
+                betas: tuple[float, float], eps: float, moments: str = "float32",
+                offload_to: torch.device | None = None) -> torch.optim.AdamW:
     """AdamW with decoupled weight decay on matrices only. On CUDA its fused kernel (a few launches
     per step, DTensor parameters from FSDP2 and EP included). On CPU the foreach one, but a loop
     over the parameters where they are DTensors: DTensor works out the sharding of a foreach op
     over many differently sharded tensors once per process, a cost in the first step that a short
     CPU run does not win back from the foreach kernels. `moments: bfloat16` stores both moments in
-    bfloat16 (`master_update.AdamWCompactMoments`: the kit's own update, compiled on a GPU)."""
+    bfloat16 (`master_update.AdamWCompactMoments`: the kit's own update, compiled on a GPU). With
+    `offload_to` (the device the step computes on) the parameters and the state are in host memory
+    (`offload.AdamWOffloaded`: the same update, streamed through that device)."""
     groups = param_groups(named_parameters, weight_decay)
+    if offload_to is not None:
+        return AdamWOffloaded(groups, device=offload_to, moments_dtype=MOMENTS[moments] or torch.float32, lr=lr,
+                              betas=betas, eps=eps)
     params = [p for group in groups for p in group["params"]]
     cuda = all(p.device.type == "cuda" for p in params)
     if MOMENTS[moments] is not None:

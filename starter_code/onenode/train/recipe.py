@@ -108,6 +108,9 @@ class OptimizerSection:
     # AdamW's two moments stored in float32 (8 bytes a parameter) or bfloat16 (4; rounded once a
     # step, train/master_update.AdamWCompactMoments; needs betas[1] <= 0.99, see there)
     moments: str = "float32"
+    # where the float32 masters and AdamW's moments live: device (the GPU) or cpu (pinned host memory,
+    # streamed through the GPU a chunk at a time each step, train/offload.py; one process in bf16)
+    state: str = "device"
     muon: MuonSection = field(default_factory=MuonSection)
 
 
@@ -227,6 +230,8 @@ class Recipe:
             decisive["parallel"] = {k: v for k, v in decisive["parallel"].items() if k != "diloco"}
         if self.optimizer.moments == "float32":  # the default: the hash a recipe had before the option
             decisive["optimizer"] = {k: v for k, v in decisive["optimizer"].items() if k != "moments"}
+        if self.optimizer.state == "device":  # the default: the hash a recipe had before the option
+            decisive["optimizer"] = {k: v for k, v in decisive["optimizer"].items() if k != "state"}
         return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
 
     def with_overrides(self, overrides: dict) -> Recipe:
@@ -238,6 +243,20 @@ class Recipe:
 
     def _where(self) -> str:
         return f"recipe {Path(self.source_path).name}: " if self.source_path else "recipe: "
+
+    def _offload_needs(self) -> list[tuple[bool, str]]:
+        """What `optimizer.state: cpu` needs: the fused update of one process in bf16 streams the
+        state (`train/offload.py`); every other step reads gradients on the masters, or shards them.
+        One process and one micro-batch a step are the layout's, checked by `assembly.assemble`."""
+        t, p = self.train, self.parallel
+        return [
+            (self.optimizer.name == "adamw", "is AdamW's: set optimizer.name adamw"),
+            (t.precision == "bf16", "offloads bf16 training's float32 masters: set train.precision bf16"),
+            (t.fused_update, "streams the state through the fused update: set train.fused_update true"),
+            (p.dp in (-1, 1) and p.ep == 1 and p.pp == 1 and not p.diloco.inner_steps,
+             "runs one process (FSDP across ranks keeps the state on each GPU): set parallel dp -1, ep 1, pp 1, "
+             "no diloco, and launch one process"),
+        ]
 
     def validate(self) -> Recipe:
         t, o, s = self.train, self.optimizer, self.schedule
@@ -267,6 +286,9 @@ class Recipe:
             ("optimizer.moments", o.moments == "float32" or (o.betas or [0])[-1] <= 0.99,
              f"bfloat16 moments need betas[1] <= 0.99 (with {o.betas[-1]} a step changes the second moment by "
              "less than bfloat16 can round to: it would stall); use float32"),
+            ("optimizer.state", o.state in ("device", "cpu"), "is device or cpu"),
+            *[("optimizer.state", o.state == "device" or ok, f"cpu {needs}")
+              for ok, needs in self._offload_needs()],
             ("optimizer.muon.adjust_lr_fn", o.muon.adjust_lr_fn in ("original", "match_rms_adamw"),
              "is original or match_rms_adamw"),
             ("optimizer.muon.ns_precision", o.muon.ns_precision in ("bfloat16", "float32"), "is bfloat16 or float32"),

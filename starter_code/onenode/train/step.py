@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..parallel import ParallelModel
 from . import master_update
+from .offload import offload_masters
 from .optim import build_adamw, build_muon
 
 __all__ = ["build_optimizer", "clip_grad_norm_", "train_step"]
@@ -41,22 +42,28 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
     moments: str = "float32",
+    state: str = "device",
     **muon_options,
 ) -> torch.optim.Optimizer:
     """AdamW with decoupled weight decay on matrices only (the A1 default), or "muon": Muon on the
     2-D hidden matrices and AdamW on the rest (`train/optim.py`; `muon_options` go to Muon);
-    `moments` is the dtype AdamW stores its moments in (`optim.MOMENTS`). Over
+    `moments` is the dtype AdamW stores its moments in (`optim.MOMENTS`); `state` "cpu" moves the
+    float32 masters of one process in bf16 to host memory and keeps AdamW's state there
+    (`offload.py`: AdamW only; the fused step streams it through the device). Over
     a layout's float32 masters (`ParallelModel.master_weights`) each step of it marks their bf16
     copies stale (a hook of this optimizer's own, not of every optimizer in the process)."""
+    weights = getattr(model, "master_weights", None)
+    if state == "cpu" and (name != "adamw" or weights is None):
+        raise ValueError("optimizer state in CPU memory is AdamW's over one process's float32 masters in bf16: "
+                         "use name 'adamw', one process and bf16, or state 'device'")
     if name == "muon":
         optimizer = build_muon(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, moments=moments,
                                **muon_options)
     elif name == "adamw":
         optimizer = build_adamw(model.named_parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                                moments=moments)
+                                moments=moments, offload_to=offload_masters(weights) if state == "cpu" else None)
     else:
         raise ValueError(f"unknown optimizer {name!r}: use 'adamw' or 'muon'")
-    weights = getattr(model, "master_weights", None)
     if weights is not None:
         optimizer.register_step_post_hook(lambda *unused: weights.masters_changed())
     return optimizer
