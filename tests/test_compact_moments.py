@@ -61,8 +61,8 @@ def test_bfloat16_moments_are_adamw_with_its_moments_rounded_each_step():
 
 
 def test_bfloat16_moments_resume_from_a_state_dict_bit_for_bit():
-    """torch's `load_state_dict` casts the moments to float32; the next step casts them back, so a
-    resumed run takes the uninterrupted run's steps exactly, in bfloat16 state."""
+    """torch's `load_state_dict` casts the moments to float32; the optimizer casts them back as it
+    loads, so a resumed run takes the uninterrupted run's steps exactly, in bfloat16 state."""
     straight_params, resumed_params = _params(), _params()
     straight = AdamWCompactMoments(straight_params, **OPTIONS)
     first = AdamWCompactMoments(resumed_params, **OPTIONS)
@@ -73,7 +73,7 @@ def test_bfloat16_moments_resume_from_a_state_dict_bit_for_bit():
             optimizer.step()
     resumed = AdamWCompactMoments(resumed_params, **OPTIONS)
     resumed.load_state_dict(first.state_dict())
-    assert resumed.state[resumed_params[0]]["exp_avg"].dtype == torch.float32  # torch's cast on load
+    assert resumed.state[resumed_params[0]]["exp_avg"].dtype == torch.bfloat16  # torch's cast undone on load
     for step in range(3, 5):
         for params, optimizer in ((straight_params, straight), (resumed_params, resumed)):
             for p, g in zip(params, _grads(step, params)):
@@ -84,7 +84,7 @@ def test_bfloat16_moments_resume_from_a_state_dict_bit_for_bit():
 
 
 def test_the_recipe_says_what_bfloat16_moments_need():
-    with pytest.raises(RecipeError, match=r"optimizer.moments: is float32 or bfloat16"):
+    with pytest.raises(RecipeError, match=r"optimizer.moments: is float32, bfloat16 or int8"):
         load_recipe(TINY, {"optimizer.moments": "float16"})
     with pytest.raises(RecipeError, match=r"bfloat16 moments need betas\[1\] <= 0.99 .*use float32"):
         load_recipe(TINY, {"optimizer.moments": "bfloat16", "optimizer.betas": [0.9, 0.999]})

@@ -105,8 +105,9 @@ class OptimizerSection:
     weight_decay: float = 0.1
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
-    # AdamW's two moments stored in float32 (8 bytes a parameter) or bfloat16 (4; rounded once a
-    # step, train/master_update.AdamWCompactMoments; needs betas[1] <= 0.99, see there)
+    # AdamW's two moments stored in float32 (8 bytes a parameter), bfloat16 (4; rounded once a
+    # step, train/master_update.AdamWCompactMoments; needs betas[1] <= 0.99, see there) or int8
+    # (about 2: 8-bit codes and a scale per block, master_update's docstring; needs betas[1] <= 0.95)
     moments: str = "float32"
     muon: MuonSection = field(default_factory=MuonSection)
 
@@ -263,10 +264,14 @@ class Recipe:
             ("optimizer.name", o.name in ("adamw", "muon"), "is adamw or muon"),
             ("optimizer.lr", o.lr > 0, "must be positive"),
             ("optimizer.betas", len(o.betas) == 2, "is a list of two numbers"),
-            ("optimizer.moments", o.moments in ("float32", "bfloat16"), "is float32 or bfloat16"),
-            ("optimizer.moments", o.moments == "float32" or (o.betas or [0])[-1] <= 0.99,
+            ("optimizer.moments", o.moments in ("float32", "bfloat16", "int8"), "is float32, bfloat16 or int8"),
+            ("optimizer.moments", o.moments != "bfloat16" or (o.betas or [0])[-1] <= 0.99,
              f"bfloat16 moments need betas[1] <= 0.99 (with {o.betas[-1]} a step changes the second moment by "
              "less than bfloat16 can round to: it would stall); use float32"),
+            ("optimizer.moments", o.moments != "int8" or (o.betas or [0])[-1] <= 0.95,
+             f"int8 moments need betas[1] <= 0.95 (a shrinking second moment moves down its 8-bit code only where "
+             f"a step changes it by more than a code's step: with 0.95 above a seventh of its block's largest value, "
+             f"with {o.betas[-1]} less of it; the rest stalls); use bfloat16 or float32"),
             ("optimizer.muon.adjust_lr_fn", o.muon.adjust_lr_fn in ("original", "match_rms_adamw"),
              "is original or match_rms_adamw"),
             ("optimizer.muon.ns_precision", o.muon.ns_precision in ("bfloat16", "float32"), "is bfloat16 or float32"),
