@@ -303,7 +303,7 @@ def test_int8_moments_fused_and_unfused_steps_are_one_update():
 def test_the_recipe_says_what_int8_moments_need():
     with pytest.raises(RecipeError, match=r"int8 moments need betas\[1\] <= 0.95 .*use bfloat16 or float32"):
         load_recipe(TINY, {"optimizer.moments": "int8", "optimizer.betas": [0.9, 0.99]})
-    int8, compact = load_recipe(TINY, {"optimizer.moments": "int8"}), load_recipe(TINY, {"optimizer.moments": "bfloat16"})
+    int8, compact = (load_recipe(TINY, {"optimizer.moments": kind}) for kind in ("int8", "bfloat16"))
     assert int8.training_sha256 not in (compact.training_sha256, load_recipe(TINY).training_sha256)
 
 
