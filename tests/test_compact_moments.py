@@ -308,14 +308,14 @@ def test_the_recipe_says_what_int8_moments_need():
 
 
 def test_the_optimizer_state_bound_reads_int8_codes_only_where_the_recipe_stores_them():
-    """A2's optimizer-state check on int8 state: the codes are decoded with their scales (no slack on
-    the ratio bound: the rounding keeps it), and the clip's bound on sum(exp_avg_sq) reads each code's
-    least value (a value rounded up to it was more than the code below). A float32 recipe gets
-    neither: the same decoded moments stored as float32 fail its sum bound, and a state of codes fails
-    its state's keys; codes that are not 8-bit codes fail in one line."""
-    from onenode.verify.replay_harness import moment_rounding, optimizer_state_problem
+    """A2's optimizer-state check on int8 state: the codes are decoded with their scales, with no
+    slack on the ratio bound (the rounding keeps it) and no sum bound on exp_avg_sq's codes (their
+    upward rounding compounds; a larger one only shrinks steps). A float32 recipe gets neither: the
+    same decoded moments stored as float32 fail its sum bound, and a state of codes fails its
+    state's keys; codes that are not 8-bit codes, or over the ratio bound, fail in one line."""
+    from onenode.verify.replay_harness import adam_moment_ratio, moment_rounding, optimizer_state_problem
 
-    book = master_update.dynamic_map(False)
+    signed, unsigned = master_update.dynamic_map(True), master_update.dynamic_map(False)
     group = {"params": ["w"], "betas": (0.9, 0.95), "lr": 0.1, "eps": 1e-8}
     zero_codes, zero_scale = torch.zeros(1, 4, dtype=torch.uint8), torch.zeros(1, 1)
     int8_fresh = {"param_groups": [group], "state": {"w": {
@@ -323,21 +323,29 @@ def test_the_optimizer_state_bound_reads_int8_codes_only_where_the_recipe_stores
         "exp_avg_sq": zero_codes, "exp_avg_sq_scale": zero_scale}}}
     float_fresh = {"param_groups": [group], "state": {"w": {
         "step": torch.tensor(1.0), "exp_avg": torch.zeros(1, 4), "exp_avg_sq": torch.zeros(1, 4)}}}
-    v_codes = torch.tensor([[255, 200, 200, 200]], dtype=torch.uint8)
-    v = torch.tensor([[book[255], book[200], book[200], book[200]]])
-    least = sum([book[254], book[199], book[199], book[199]])
     clip, steps = 1.0, 2
-    bound = clip ** 2 * (1 - 0.95 ** steps)
-    scale = torch.tensor([[bound * 0.999 / least]])  # sum(least) just under the bound, sum(codes) over it
-    assert float(v.sum() * scale) > bound * moment_rounding("float32") and least * float(scale) < bound
-    int8_stored = {"param_groups": [dict(group)], "state": {"w": {
-        "step": torch.tensor(3.0), "exp_avg": (zero_codes + 127).float(), "exp_avg_scale": zero_scale,
-        "exp_avg_sq": v_codes.float(), "exp_avg_sq_scale": scale}}}
+    v_codes = torch.tensor([[255, 200, 200, 200]], dtype=torch.uint8)
+    v_scale = torch.tensor([[10 * clip ** 2 * (1 - 0.95 ** steps)]])  # sum(exp_avg_sq) far over the clip's bound
+    m_codes = torch.tensor([[254, 127, 127, 127]], dtype=torch.uint8)
+    m_scale = torch.tensor([[0.1 / signed[254]]])  # ||exp_avg|| 0.1 of its bound's 0.19
+    v = torch.tensor([[unsigned[int(c)] for c in v_codes[0]]]) * v_scale
+    m = torch.tensor([[signed[int(c)] for c in m_codes[0]]]) * m_scale
+
+    def int8_stored(m_codes=m_codes, v_codes=v_codes) -> dict:
+        return {"param_groups": [dict(group)], "state": {"w": {
+            "step": torch.tensor(3.0), "exp_avg": m_codes.float(), "exp_avg_scale": m_scale,
+            "exp_avg_sq": v_codes.float(), "exp_avg_sq_scale": v_scale}}}
+
     float_stored = {"param_groups": [dict(group)], "state": {"w": {
-        "step": torch.tensor(3.0), "exp_avg": torch.zeros(1, 4), "exp_avg_sq": (v * scale).float()}}}
-    assert optimizer_state_problem(int8_stored, int8_fresh, steps, clip, "int8") is None
+        "step": torch.tensor(3.0), "exp_avg": m.float(), "exp_avg_sq": v.float()}}}
+    assert optimizer_state_problem(int8_stored(), int8_fresh, steps, clip, "int8") is None
     assert "sum(exp_avg_sq)" in optimizer_state_problem(float_stored, float_fresh, steps, clip, "float32")
-    assert "optimizer state holds" in optimizer_state_problem(int8_stored, float_fresh, steps, clip, "float32")
+    assert "optimizer state holds" in optimizer_state_problem(int8_stored(), float_fresh, steps, clip, "float32")
     assert moment_rounding("int8") == moment_rounding("float32") < moment_rounding("bfloat16")
-    int8_stored["state"]["w"]["exp_avg_sq"] = v_codes.float() + 0.5
-    assert "not 8-bit codes" in optimizer_state_problem(int8_stored, int8_fresh, steps, clip, "int8")
+    assert "not 8-bit codes" in optimizer_state_problem(int8_stored(v_codes=v_codes.float() + 0.5), int8_fresh,
+                                                        steps, clip, "int8")
+    assert float(m[0, 0]) <= adam_moment_ratio(0.9, 0.95, steps) * float(v[0, 0].sqrt())
+    over = v_codes.clone()
+    over[0, 0] = 1  # exp_avg_sq 3e-7 of its scale under exp_avg 0.1: over the ratio bound
+    assert "steps of any gradients give" in optimizer_state_problem(int8_stored(v_codes=over), int8_fresh, steps,
+                                                                    clip, "int8")

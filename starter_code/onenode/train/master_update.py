@@ -160,13 +160,11 @@ def _codebooks(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.tensor(dynamic_map(signed), dtype=torch.float32, device=device) for signed in (True, False))
 
 
-def int8_values(codes: torch.Tensor, scale: torch.Tensor, signed: bool, least: bool = False) -> torch.Tensor:
+def int8_values(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
     """What 8-bit `codes` of the signed or unsigned map stand for, in float64 (A2's verification
-    reads them): each code's value times its block's scale, or with `least` the value of the code
-    below (0 for code 0): an exp_avg_sq rounded up to a code was more than that."""
+    reads them): each code's value times its block's scale."""
     book = _codebooks(torch.device("cpu"))[0 if signed else 1].double()
-    index = codes.long().cpu()
-    values = book[(index - 1).clamp(min=0)] * (index > 0) if least else book[index]
+    values = book[codes.long().cpu()]
     return (_blocks(values) * scale.double().cpu().unsqueeze(-1)).flatten(-2)[..., :codes.shape[-1]]
 
 

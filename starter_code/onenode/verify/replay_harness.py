@@ -206,9 +206,9 @@ MOMENT_ROUNDING = 1.001  # slack on the optimizer state's bounds: float32 roundi
 def moment_rounding(moments: str) -> float:
     """The slack on the bounds for the recipe's `optimizer.moments`: a float dtype narrower than
     float32 rounds each moment once a step, by up to half its machine epsilon; its epsilon on top of
-    `MOMENT_ROUNDING` covers that with room. int8 needs none: it rounds exp_avg toward zero and
-    exp_avg_sq up (`master_update._encode`), which keeps |exp_avg| <= ratio x sqrt(exp_avg_sq), and
-    the sum bound reads each exp_avg_sq code's least value (`int8_moments`)."""
+    `MOMENT_ROUNDING` covers that with room. int8 needs none on what it is checked by: it rounds
+    exp_avg toward zero and exp_avg_sq up (`master_update._encode`), which keeps |exp_avg| <= ratio x
+    sqrt(exp_avg_sq) and ||exp_avg|| within the clip's bound (see `int8_moments` for its sum)."""
     import torch
 
     from onenode.train.optim import MOMENTS
@@ -219,18 +219,18 @@ def moment_rounding(moments: str) -> float:
 
 def int8_moments(name: str, tensors: dict) -> tuple[dict, str | None]:
     """An int8 state's moments as the step reads them (codes times their blocks' scales, float64),
-    with "exp_avg_sq_least" (each code's least value: what the sum bound reads), or why the codes
-    are not 8-bit codes. Shapes are the fresh state's (checked before)."""
+    or why the codes are not 8-bit codes (shapes are the fresh state's, checked before). Its
+    exp_avg_sq has no sum bound: each step rounds it up by up to a code, which compounds over the
+    steps past any fixed slack, and a larger exp_avg_sq only makes steps smaller (each step stays
+    within the ratio bound, which holds exactly)."""
     from onenode.train.master_update import int8_values
 
     for key in ("exp_avg", "exp_avg_sq"):
         codes, scale = tensors[key], tensors[f"{key}_scale"]
         if not bool(((codes == codes.round()) & (codes >= 0) & (codes <= 255)).all()) or bool((scale < 0).any()):
             return tensors, f"{name}'s {key} is not 8-bit codes (whole numbers 0..255) with scales >= 0"
-    m = int8_values(tensors["exp_avg"], tensors["exp_avg_scale"], signed=True)
-    v = int8_values(tensors["exp_avg_sq"], tensors["exp_avg_sq_scale"], signed=False)
-    least = int8_values(tensors["exp_avg_sq"], tensors["exp_avg_sq_scale"], signed=False, least=True)
-    return {"exp_avg": m, "exp_avg_sq": v, "exp_avg_sq_least": least}, None
+    return {"exp_avg": int8_values(tensors["exp_avg"], tensors["exp_avg_scale"], signed=True),
+            "exp_avg_sq": int8_values(tensors["exp_avg_sq"], tensors["exp_avg_sq_scale"], signed=False)}, None
 
 
 # |exp_avg| allowed where exp_avg_sq rounded to zero: the square of a gradient under ~1e-22 underflows float32
@@ -279,7 +279,8 @@ def optimizer_state_problem(stored: dict, fresh: dict, steps: int, grad_clip: fl
       bound's `adamw_step_bound`);
     - with every step's gradient clipped to global L2 norm c (`train.grad_clip`), over the
       parameters of one beta: ||exp_avg||_2 = ||(1 - b1) sum_j b1^(t-j) g_j|| <= c (1 - b1^t),
-      sum(exp_avg_sq) = (1 - b2) sum_j b2^(t-j) ||g_j||^2 <= c^2 (1 - b2^t), and Muon's
+      sum(exp_avg_sq) = (1 - b2) sum_j b2^(t-j) ||g_j||^2 <= c^2 (1 - b2^t) (not over int8 codes:
+      `int8_moments`), and Muon's
       ||momentum_buffer||_2 <= c (1 - momentum^t), for t = `steps` (a run without a clip, c = 0,
       has no bound on these norms).
     Each within `moment_rounding(moments)`, the recipe's `optimizer.moments`."""
@@ -328,7 +329,8 @@ def optimizer_state_problem(stored: dict, fresh: dict, steps: int, grad_clip: fl
                 return (f"{name}'s exp_avg {float(m.flatten()[i]):.3g} against exp_avg_sq {float(v.flatten()[i]):.3g}: "
                         f"{steps} steps of any gradients give |exp_avg| <= {ratio:.3g} x sqrt(exp_avg_sq)")
             averages[beta1] = averages.get(beta1, 0.0) + float(m.square().sum())
-            squares[beta2] = squares.get(beta2, 0.0) + float(tensors.get("exp_avg_sq_least", v).sum())
+            if not (moments == "int8" and "exp_avg_scale" in start):
+                squares[beta2] = squares.get(beta2, 0.0) + float(v.sum())
     if not grad_clip or grad_clip <= 0:
         return None
     norms = [("||exp_avg||", beta, math.sqrt(total), grad_clip * (1 - beta ** steps))
