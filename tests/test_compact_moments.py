@@ -349,3 +349,35 @@ def test_the_optimizer_state_bound_reads_int8_codes_only_where_the_recipe_stores
     over[0, 0] = 1  # exp_avg_sq 3e-7 of its scale under exp_avg 0.1: over the ratio bound
     assert "steps of any gradients give" in optimizer_state_problem(int8_stored(v_codes=over), int8_fresh, steps,
                                                                     clip, "int8")
+
+
+def _train_on_rank(argv: list[str]) -> None:
+    from onenode import cli
+
+    assert cli.main(argv) == 0
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # about 45 s: three runs of the tiny model on two gloo ranks
+def test_int8_moments_shard_with_fsdp_and_resume_bit_for_bit(tmp_path):
+    """On two FSDP2 ranks the codes and their scales are DTensors sharded as their parameter (rows:
+    each rank's shard holds its rows' blocks): DCP saves each rank's rows, and a run stopped at its
+    step-3 checkpoint and resumed ends on the uninterrupted run's weights, bit for bit."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from dist_utils import run_distributed
+
+    settings = ["optimizer.moments=int8", "train.token_budget=3072", "checkpoint.every_steps=3",
+                "checkpoint.keep_last=0", "log.progress_bar=false", "eval.every_steps=0", "checkpoint.export_hf=false"]
+    train = ["train", str(TINY), *[a for s in settings for a in ("--set", s)]]
+    for out, stop in (("full", []), ("part", ["--stop-after", "3"]), ("part", [])):  # the second resumes
+        run_distributed(_train_on_rank, world_size=2, args=([*train, "--out", str(tmp_path / out), *stop],))
+    final = [tmp_path / run / "checkpoints" / "step_00000006" for run in ("full", "part")]
+    metas = [json.loads((path / "meta.json").read_text()) for path in final]
+    assert metas[0]["layout"]["dp"] == 2 and metas[0]["weights_sha256"] == metas[1]["weights_sha256"]
+    stored = dcp.FileSystemReader(str(final[0])).read_metadata().state_dict_metadata
+    key = "optim.state.backbone.layers.0.mixer.in_proj.weight"
+    codes, scales = stored[f"{key}.exp_avg_sq"], stored[f"{key}.exp_avg_sq_scale"]
+    assert codes.properties.dtype == torch.uint8 and tuple(scales.size) == (codes.size[0], 1)
+    assert [c.offsets[0] for c in codes.chunks] == [c.offsets[0] for c in scales.chunks] == [0, codes.size[0] // 2]
