@@ -93,6 +93,7 @@ def test_an_offloaded_run_resumes_bit_for_bit(tmp_path):
     ({"optimizer.name": "muon"}, "is AdamW's: set optimizer.name adamw"),
     ({"train.precision": "fp32"}, "set train.precision bf16"),
     ({"train.fused_update": False}, "set train.fused_update true"),
+    ({"optimizer.moments": "int8"}, "set optimizer.moments bfloat16"),
     ({"parallel.dp": 2}, "launch one process"),
     ({"parallel.ep": 2}, "launch one process"),
 ])

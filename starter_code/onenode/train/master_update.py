@@ -21,6 +21,20 @@ one parameter per expert matrix (thousands of them) reuses a few graphs of `CHUN
 tensors, instead of compiling one graph that unrolls every parameter. A CPU runs the same function
 uncompiled, a loop of small ops: one process in bf16 on a CPU is for tests and smoke runs, and there
 it checks the very update a GPU compiles.
+
+int8 moments (`optimizer.moments: int8`): each moment of a tensor of two or more dimensions is kept
+as 8-bit codes (uint8: indexes into a map of 256 values) and one float32 scale per block of up to
+`INT8_BLOCK` values along a row (the block's largest magnitude), with bitsandbytes' dynamic (tree)
+map, signed for exp_avg and unsigned for exp_avg_sq, as bitsandbytes' and torchao's 8-bit AdamW do:
+about 2 bytes of state a parameter. 1-D tensors (norms, biases, a few thousand values) keep float32
+moments. The step decodes, updates in float32 and encodes in `_adamw`, as plain torch ops, so
+inductor fuses it into the update's kernels and a CPU runs the same function; torchao's `AdamW8bit`
+keeps its codes in a tensor subclass that this chunked update, torch's `load_state_dict`, DCP and
+the replay's hashes do not read as plain tensors, so only its map is taken. Codes are rounded toward
+zero (exp_avg) and up (exp_avg_sq), not to the nearest: every stored state then keeps AdamW's
+|exp_avg| <= ratio x sqrt(exp_avg_sq), the invariant A2's bounds on a step and on the state rest on,
+for steps slightly smaller than float32's. Blocks follow rows, so a shard of rows (FSDP2 and expert
+parallelism shard dimension 0) holds whole blocks and the scales shard as their parameter does.
 """
 
 from __future__ import annotations
@@ -50,48 +64,155 @@ def applies(weights: MasterWeights | None, optimizer, accumulation_steps: int) -
 def _state(optimizer: torch.optim.AdamW, group: dict, param: torch.Tensor) -> dict:
     """`param`'s AdamW state, made as torch's AdamW makes it on its first step (a step count on the
     device for its fused and capturable kinds, else on the host; both moments zero), its moments in
-    the optimizer's `moments_dtype` where it has one (a loaded state is cast back to it: torch's
-    `load_state_dict` casts every state tensor to its parameter's dtype), each placed by the
-    optimizer's `place_state` where it has one (`offload.AdamWOffloaded`: pinned host memory)."""
+    the optimizer's `moments_dtype` where it has one (int8: see the module docstring), placed by the
+    optimizer's `place_state` where it has one (`offload.AdamWOffloaded`: pinned host memory).
+    A loaded state gets its dtypes back in `_cast_loaded_moments`."""
     state = optimizer.state[param]
-    dtype = getattr(optimizer, "moments_dtype", param.dtype)
     if not state:
         on_device = group["fused"] or group["capturable"]
         state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if on_device else None)
-        state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
-    elif state["exp_avg"].dtype != dtype:
-        state["exp_avg"], state["exp_avg_sq"] = state["exp_avg"].to(dtype), state["exp_avg_sq"].to(dtype)
-    else:
-        return state
-    if hasattr(optimizer, "place_state"):
-        optimizer.place_state(state)
+        dtype = _moments_dtype(optimizer, param)
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+            if dtype == torch.uint8:
+                state[f"{key}_scale"] = _zero_scales(param)
+        if hasattr(optimizer, "place_state"):
+            optimizer.place_state(state)
     return state
+
+
+def _moments_dtype(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> torch.dtype:
+    """The dtype `param`'s moments are stored in: the optimizer's `moments_dtype`, but int8 codes
+    (uint8) only for tensors of two or more dimensions (see the module docstring), the others in the
+    parameters' dtype."""
+    dtype = getattr(optimizer, "moments_dtype", param.dtype)
+    return param.dtype if dtype == torch.uint8 and param.ndim < 2 else dtype
+
+
+def _cast_loaded_moments(optimizer: torch.optim.Optimizer) -> None:
+    """Give a loaded state its stored dtypes back (torch's `load_state_dict` casts every state
+    tensor but the step to its parameter's dtype): so a resumed run, and a replay's hash of its
+    state, read the bits the run had. int8 codes must be whole numbers 0..255."""
+    for param, state in optimizer.state.items():
+        if "exp_avg" not in state:
+            continue
+        dtype = _moments_dtype(optimizer, param)
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = state[key]
+            if dtype == torch.uint8:
+                local = _local(value)
+                if not (bool((local == local.round()).all()) and bool(((local >= 0) & (local <= 255)).all())):
+                    raise ValueError(f"the optimizer state's {key} holds values that are not 8-bit codes (0..255): "
+                                     "load a checkpoint of a run with optimizer.moments: int8")
+            state[key] = value.to(dtype)
 
 
 def _adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
            exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], copies: list[torch.Tensor | None],
            lr: torch.Tensor, coef: torch.Tensor, beta1: float, beta2: float, eps: float,
-           weight_decay: float) -> None:
+           weight_decay: float, scales: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+           codebooks: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """torch's AdamW step on float32 `params` from gradients of any float dtype times `coef`, each
     updated parameter also written into its copy (None: it has none). Moments stored in a narrower
-    dtype (`AdamWCompactMoments`) are updated in the parameters' dtype and rounded once to their own."""
-    for param, grad, exp_avg, exp_avg_sq, step, copy in zip(params, grads, exp_avgs, exp_avg_sqs, steps, copies):
+    dtype (`AdamWCompactMoments`) are updated in the parameters' dtype and rounded once to their own;
+    int8 codes (uint8) are decoded with their blocks' `scales` and `codebooks` (module docstring),
+    updated in float32 and encoded again."""
+    scales = scales or [None] * len(params)
+    for param, grad, exp_avg, exp_avg_sq, step, copy, scale in zip(params, grads, exp_avgs, exp_avg_sqs, steps,
+                                                                   copies, scales):
         step.add_(1)
         grad = grad.to(param.dtype) * coef
         param.mul_(1 - lr * weight_decay)
         compact = exp_avg.dtype != param.dtype
-        m, v = (exp_avg.to(param.dtype), exp_avg_sq.to(param.dtype)) if compact else (exp_avg, exp_avg_sq)
+        if exp_avg.dtype == torch.uint8:
+            m, v = _decode(exp_avg, scale[0], codebooks[0]), _decode(exp_avg_sq, scale[1], codebooks[1])
+        else:
+            m, v = (exp_avg.to(param.dtype), exp_avg_sq.to(param.dtype)) if compact else (exp_avg, exp_avg_sq)
         m.lerp_(grad, 1 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         step_size = lr / (1 - beta1 ** step)
         denom = v.sqrt() / (1 - beta2 ** step).sqrt() + eps
         param.sub_(step_size * m / denom)
-        if compact:
+        if exp_avg.dtype == torch.uint8:
+            _encode(m, exp_avg, scale[0], codebooks[0], toward_zero=True)
+            _encode(v, exp_avg_sq, scale[1], codebooks[1], toward_zero=False)
+        elif compact:
             exp_avg.copy_(m)
             exp_avg_sq.copy_(v)
         if copy is not None:
             copy.copy_(param)
+
+
+INT8_BLOCK = 256  # elements a scale covers, along a row (the last dimension; a shorter row is one block)
+
+
+def dynamic_map(signed: bool) -> list[float]:
+    """The 256 values of bitsandbytes' dynamic (tree) quantization map (Dettmers et al. 2022, as
+    torchao's `create_dynamic_map` makes it), sorted, in [-1, 1] (signed) or [0, 1]: per decade
+    from 1e-7 up, twice as many values as the decade below, 0 and 1 exact."""
+    values = [0.0, 1.0]
+    for decade in range(7):
+        items = 2 ** decade + 1 if signed else 2 ** (decade + 1) + 1
+        bounds = [0.1 + 0.9 * i / (items - 1) for i in range(items)]
+        means = [10.0 ** (decade - 6) * (a + b) / 2 for a, b in zip(bounds, bounds[1:])]
+        values += means + ([-x for x in means] if signed else [])
+    return sorted(values)
+
+
+@functools.cache
+def _codebooks(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dynamic_map`'s signed (first moment) and unsigned (second) maps in float32 on `device`."""
+    return tuple(torch.tensor(dynamic_map(signed), dtype=torch.float32, device=device) for signed in (True, False))
+
+
+def int8_values(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
+    """What 8-bit `codes` of the signed or unsigned map stand for, in float64 (A2's verification
+    reads them): each code's value times its block's scale."""
+    book = _codebooks(torch.device("cpu"))[0 if signed else 1].double()
+    values = book[codes.long().cpu()]
+    return (_blocks(values) * scale.double().cpu().unsqueeze(-1)).flatten(-2)[..., :codes.shape[-1]]
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """(..., n) as (..., blocks, b) zero-padded, b = min(`INT8_BLOCK`, n)."""
+    size = min(INT8_BLOCK, x.shape[-1])
+    return torch.nn.functional.pad(x, (0, -x.shape[-1] % size)).unflatten(-1, (-1, size))
+
+
+def _zero_scales(param: torch.Tensor) -> torch.Tensor:
+    """Float32 zeros, one a block of `param`'s rows (a DTensor sharded as `param` is: a shard of rows
+    holds its rows' blocks, so a checkpoint gathers and reshards them with the codes)."""
+    shape = (*param.shape[:-1], -(-param.shape[-1] // min(INT8_BLOCK, param.shape[-1])))
+    if not isinstance(param, DTensor):
+        return torch.zeros(shape, dtype=torch.float32, device=param.device)
+    if any(p.is_shard(param.ndim - 1) for p in param.placements):
+        raise ValueError("int8 moments keep one scale per block of a row: a parameter sharded along its rows "
+                         "cannot hold them; use optimizer.moments: bfloat16")
+    from torch.distributed.tensor import zeros
+
+    return zeros(shape, dtype=torch.float32, device_mesh=param.device_mesh, placements=param.placements)
+
+
+def _decode(codes: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """The float32 values 8-bit `codes` stand for: each its codebook value times its block's scale."""
+    values = _blocks(codebook[codes.long()]) * scale.unsqueeze(-1)
+    return values.flatten(-2)[..., :codes.shape[-1]]
+
+
+def _encode(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor,
+            toward_zero: bool) -> None:
+    """Write `x` as codes of `codebook` times its blocks' largest magnitude (`scale`), each value
+    rounded toward zero (`toward_zero`) or up: the module docstring says why not to the nearest."""
+    blocks = _blocks(x)
+    absmax = blocks.abs().amax(-1)
+    normed = blocks / torch.where(absmax > 0, absmax, 1.0).unsqueeze(-1)
+    if toward_zero:  # the largest magnitude at most |normed|, of its sign
+        index = torch.where(normed >= 0, torch.bucketize(normed, codebook, right=True) - 1,
+                            torch.bucketize(normed, codebook))
+    else:  # the smallest value at least normed
+        index = torch.bucketize(normed, codebook)
+    codes.copy_(index.flatten(-2)[..., :x.shape[-1]])
+    scale.copy_(absmax)
 
 
 @functools.cache
@@ -190,14 +311,17 @@ def _update(calls: list[tuple], coef: torch.Tensor, update=None) -> None:
     with graphs_allowed(calls):
         for chunk, _, lr, hyper in calls:
             params, chunk_grads, states, copies = (list(column) for column in zip(*chunk))
+            scales = [(s["exp_avg_scale"], s["exp_avg_sq_scale"]) if "exp_avg_scale" in s else None for s in states]
             update(params, chunk_grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                   [s["step"] for s in states], copies, lr, coef.to(lr.device), *hyper)
+                   [s["step"] for s in states], copies, lr, coef.to(lr.device), *hyper,
+                   *((scales, _codebooks(lr.device)) if any(scales) else ()))
 
 
 class AdamWCompactMoments(torch.optim.AdamW):
     """torch's AdamW on float32 parameters with both moments stored in `moments_dtype` (bfloat16:
-    4 bytes of state per parameter instead of 8), updated in float32 and rounded once per step
-    (`_adamw`). Its step is the fused update's, without copies: the same math wherever it runs.
+    4 bytes of state per parameter instead of 8; uint8: 8-bit codes, about 2, see the module docstring),
+    updated in float32 and rounded once per step (`_adamw`). Its step is the fused update's, without
+    copies: the same math wherever it runs. A loaded state gets its dtypes back at once.
     bfloat16 holds 8 significant bits, so each step must change a moment by more than about 0.4%
     of it to register: with beta2 = 0.95 it does (5%); with beta2 = 0.999 the second moment would
     stall, and the recipe refuses that pairing."""
@@ -208,6 +332,7 @@ class AdamWCompactMoments(torch.optim.AdamW):
         options.update(fused=False, foreach=False, capturable=on_device)
         super().__init__(params, **options)
         self.moments_dtype = moments_dtype
+        self.register_load_state_dict_post_hook(_cast_loaded_moments)
 
     @torch.no_grad()
     def step(self, closure=None):

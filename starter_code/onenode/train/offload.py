@@ -117,15 +117,12 @@ class AdamWOffloaded(AdamWCompactMoments):
                     state[key] = self.host.copy_of(value)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's load (each state tensor cast to its parameter's dtype and device), the moments cast
-        back to `moments_dtype`, each tensor copied into the one it replaces, where there was one:
-        a resumed run holds its state in the memory it had, pinned, not twice."""
+        """torch's load (each state tensor cast to its parameter's dtype and device, then the moments
+        back to theirs by `AdamWCompactMoments`' hook), each tensor copied into the one it replaces,
+        where there was one: a resumed run holds its state in the memory it had, pinned, not twice."""
         held = {param: dict(state) for param, state in self.state.items()}
         super().load_state_dict(state_dict)
-        for param, state in self.state.items():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    state[key] = state[key].to(self.moments_dtype)
+        for param, state in self.state.items():  # the moments' dtypes already back (`_cast_loaded_moments`)
             for key, value in state.items():
                 old = held.get(param, {}).get(key)
                 if old is not None and (old.shape, old.dtype, old.device) == (value.shape, value.dtype, value.device):

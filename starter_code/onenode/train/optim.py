@@ -155,8 +155,9 @@ def build_muon(
     return OptimizerList(optimizers)
 
 
-# optimizer.moments -> the dtype AdamW stores its moments in (None: the parameters')
-MOMENTS = {"float32": None, "bfloat16": torch.bfloat16}
+# optimizer.moments -> the dtype AdamW stores its moments in (None: the parameters'; uint8: int8's 8-bit
+# codes with a scale a block, `master_update`'s docstring)
+MOMENTS = {"float32": None, "bfloat16": torch.bfloat16, "int8": torch.uint8}
 
 
 def build_adamw(named_parameters: Iterable[tuple[str, nn.Parameter]], lr: float, weight_decay: float,

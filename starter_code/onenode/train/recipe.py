@@ -105,8 +105,9 @@ class OptimizerSection:
     weight_decay: float = 0.1
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
-    # AdamW's two moments stored in float32 (8 bytes a parameter) or bfloat16 (4; rounded once a
-    # step, train/master_update.AdamWCompactMoments; needs betas[1] <= 0.99, see there)
+    # AdamW's two moments stored in float32 (8 bytes a parameter), bfloat16 (4; rounded once a
+    # step, train/master_update.AdamWCompactMoments; needs betas[1] <= 0.99, see there) or int8
+    # (about 2: 8-bit codes and a scale per block, master_update's docstring; needs betas[1] <= 0.95)
     moments: str = "float32"
     # where the float32 masters and AdamW's moments live: device (the GPU) or cpu (pinned host memory,
     # streamed through the GPU a chunk at a time each step, train/offload.py; one process in bf16)
@@ -253,6 +254,9 @@ class Recipe:
             (self.optimizer.name == "adamw", "is AdamW's: set optimizer.name adamw"),
             (t.precision == "bf16", "offloads bf16 training's float32 masters: set train.precision bf16"),
             (t.fused_update, "streams the state through the fused update: set train.fused_update true"),
+            (self.optimizer.moments != "int8",
+             "streams float32 or bfloat16 moments (not int8's codes and block scales yet): "
+             "set optimizer.moments bfloat16"),
             (p.dp in (-1, 1) and p.ep == 1 and p.pp == 1 and not p.diloco.inner_steps,
              "runs one process (FSDP across ranks keeps the state on each GPU): set parallel dp -1, ep 1, pp 1, "
              "no diloco, and launch one process"),
@@ -282,10 +286,14 @@ class Recipe:
             ("optimizer.name", o.name in ("adamw", "muon"), "is adamw or muon"),
             ("optimizer.lr", o.lr > 0, "must be positive"),
             ("optimizer.betas", len(o.betas) == 2, "is a list of two numbers"),
-            ("optimizer.moments", o.moments in ("float32", "bfloat16"), "is float32 or bfloat16"),
-            ("optimizer.moments", o.moments == "float32" or (o.betas or [0])[-1] <= 0.99,
+            ("optimizer.moments", o.moments in ("float32", "bfloat16", "int8"), "is float32, bfloat16 or int8"),
+            ("optimizer.moments", o.moments != "bfloat16" or (o.betas or [0])[-1] <= 0.99,
              f"bfloat16 moments need betas[1] <= 0.99 (with {o.betas[-1]} a step changes the second moment by "
              "less than bfloat16 can round to: it would stall); use float32"),
+            ("optimizer.moments", o.moments != "int8" or (o.betas or [0])[-1] <= 0.95,
+             f"int8 moments need betas[1] <= 0.95 (a shrinking second moment moves down its 8-bit code only where "
+             f"a step changes it by more than a code's step: with 0.95 above a seventh of its block's largest value, "
+             f"with {o.betas[-1]} less of it; the rest stalls); use bfloat16 or float32"),
             ("optimizer.state", o.state in ("device", "cpu"), "is device or cpu"),
             *[("optimizer.state", o.state == "device" or ok, f"cpu {needs}")
               for ok, needs in self._offload_needs()],

@@ -204,16 +204,35 @@ MOMENT_ROUNDING = 1.001  # slack on the optimizer state's bounds: float32 roundi
 
 
 def moment_rounding(moments: str) -> float:
-    """The slack on the bounds for the recipe's `optimizer.moments`: a dtype narrower than float32
-    rounds each moment once a step, by up to half its machine epsilon; its epsilon on top of
-    `MOMENT_ROUNDING` covers that with room. (A loaded state cannot say: torch's `load_state_dict`
-    casts it to the parameters' float32.)"""
+    """The slack on the bounds for the recipe's `optimizer.moments`: a float dtype narrower than
+    float32 rounds each moment once a step, by up to half its machine epsilon; its epsilon on top of
+    `MOMENT_ROUNDING` covers that with room. int8 needs none on what it is checked by: it rounds
+    exp_avg toward zero and exp_avg_sq up (`master_update._encode`), which keeps |exp_avg| <= ratio x
+    sqrt(exp_avg_sq) and ||exp_avg|| within the clip's bound (see `int8_moments` for its sum)."""
     import torch
 
     from onenode.train.optim import MOMENTS
 
     dtype = MOMENTS.get(moments)
-    return MOMENT_ROUNDING if dtype is None else MOMENT_ROUNDING + torch.finfo(dtype).eps
+    return MOMENT_ROUNDING if dtype is None or not dtype.is_floating_point else MOMENT_ROUNDING + torch.finfo(dtype).eps
+
+
+def int8_moments(name: str, tensors: dict) -> tuple[dict, str | None]:
+    """An int8 state's moments as the step reads them (codes times their blocks' scales, float64),
+    or why the codes are not 8-bit codes (shapes are the fresh state's, checked before). Its
+    exp_avg_sq has no sum bound: each step rounds it up by up to a code, which compounds over the
+    steps past any fixed slack, and a larger exp_avg_sq only makes steps smaller (each step stays
+    within the ratio bound, which holds exactly)."""
+    from onenode.train.master_update import int8_values
+
+    for key in ("exp_avg", "exp_avg_sq"):
+        codes, scale = tensors[key], tensors[f"{key}_scale"]
+        if not bool(((codes == codes.round()) & (codes >= 0) & (codes <= 255)).all()) or bool((scale < 0).any()):
+            return tensors, f"{name}'s {key} is not 8-bit codes (whole numbers 0..255) with scales >= 0"
+    return {"exp_avg": int8_values(tensors["exp_avg"], tensors["exp_avg_scale"], signed=True),
+            "exp_avg_sq": int8_values(tensors["exp_avg_sq"], tensors["exp_avg_sq_scale"], signed=False)}, None
+
+
 # |exp_avg| allowed where exp_avg_sq rounded to zero: the square of a gradient under ~1e-22 underflows float32
 MOMENT_FLOOR = 1e-20
 
@@ -260,7 +279,8 @@ def optimizer_state_problem(stored: dict, fresh: dict, steps: int, grad_clip: fl
       bound's `adamw_step_bound`);
     - with every step's gradient clipped to global L2 norm c (`train.grad_clip`), over the
       parameters of one beta: ||exp_avg||_2 = ||(1 - b1) sum_j b1^(t-j) g_j|| <= c (1 - b1^t),
-      sum(exp_avg_sq) = (1 - b2) sum_j b2^(t-j) ||g_j||^2 <= c^2 (1 - b2^t), and Muon's
+      sum(exp_avg_sq) = (1 - b2) sum_j b2^(t-j) ||g_j||^2 <= c^2 (1 - b2^t) (not over int8 codes:
+      `int8_moments`), and Muon's
       ||momentum_buffer||_2 <= c (1 - momentum^t), for t = `steps` (a run without a clip, c = 0,
       has no bound on these norms).
     Each within `moment_rounding(moments)`, the recipe's `optimizer.moments`."""
@@ -288,6 +308,13 @@ def optimizer_state_problem(stored: dict, fresh: dict, steps: int, grad_clip: fl
         tensors = {key: value.double() for key, value in state.items() if key != "step"}
         if not all(bool(value.isfinite().all()) for value in tensors.values()):
             return f"{name}'s optimizer state is not finite"
+        for key, value in tensors.items():
+            if value.shape != start[key].shape:
+                return f"{name}'s {key} has shape {tuple(value.shape)}, not {tuple(start[key].shape)}"
+        if moments == "int8" and "exp_avg_scale" in start:  # 8-bit codes: only for a recipe that stores them
+            tensors, problem = int8_moments(name, tensors)
+            if problem:
+                return problem
         if "momentum_buffer" in tensors:
             beta = group["momentum"]
             momentum_sq[beta] = momentum_sq.get(beta, 0.0) + float(tensors["momentum_buffer"].square().sum())
@@ -302,7 +329,8 @@ def optimizer_state_problem(stored: dict, fresh: dict, steps: int, grad_clip: fl
                 return (f"{name}'s exp_avg {float(m.flatten()[i]):.3g} against exp_avg_sq {float(v.flatten()[i]):.3g}: "
                         f"{steps} steps of any gradients give |exp_avg| <= {ratio:.3g} x sqrt(exp_avg_sq)")
             averages[beta1] = averages.get(beta1, 0.0) + float(m.square().sum())
-            squares[beta2] = squares.get(beta2, 0.0) + float(v.sum())
+            if not (moments == "int8" and "exp_avg_scale" in start):
+                squares[beta2] = squares.get(beta2, 0.0) + float(v.sum())
     if not grad_clip or grad_clip <= 0:
         return None
     norms = [("||exp_avg||", beta, math.sqrt(total), grad_clip * (1 - beta ** steps))
