@@ -261,17 +261,18 @@ def test_fused_update_compiles_as_one_graph():
     assert torch.equal(eager[5][0], eager[0][0].bfloat16()) and float(eager[4][0]) == 4.0
 
 
-def _fused_update_graphs(count: int, update_of) -> tuple[list[int], list[torch.Tensor]]:
-    """Two fused steps over `count` same-shaped matrices (as a model with one parameter per expert
-    matrix has) plus a few of other shapes, in two groups, the update compiled by `update_of(record)`
-    with `record(graph)` called for each graph made; the node count of each graph, and the masters."""
+def _fused_update_graphs(count: int, update_of, shapes_of=lambda i: (4, 8)) -> tuple[list[int], list[torch.Tensor]]:
+    """Two fused steps over `count` matrices of `shapes_of(i)` (as a model with one parameter per
+    expert matrix has) plus a few of other shapes, in two groups, the update compiled by
+    `update_of(record)` with `record(graph)` called for each graph made; the node count of each
+    graph, and the masters."""
     from torch._dynamo.backends.registry import lookup_backend
 
     from onenode.parallel.mixed_precision import MasterWeights
     from onenode.train import master_update
 
     gen = torch.Generator().manual_seed(0)
-    shapes = [(4, 8)] * count + [(8,), (16, 8), (3,)]
+    shapes = [shapes_of(i) for i in range(count)] + [(8,), (16, 8), (3,)]
     masters = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in shapes]
     weights = MasterWeights()
     for master in masters[:-1]:  # the last has no copy: its gradient is on the master
@@ -299,26 +300,35 @@ def _fused_update_graphs(count: int, update_of) -> tuple[list[int], list[torch.T
     return sizes, [m.detach().clone() for m in masters]
 
 
-@pytest.mark.slow
-def test_fused_update_graphs_do_not_grow_with_the_parameter_count(monkeypatch):
-    """The compiled update traced (aot_eager) for 3,000 parameters and for 30: each graph holds at
-    most one chunk, about as many graphs serve both (a few kinds of chunk per group), none is made
-    on the second step, and the update is the eager one. One graph over every parameter took minutes
-    to compile on a GPU for a model with a parameter per expert matrix: the starter's bench hung.
-    Chunks of 4 here, to keep the tracing cheap; the rule is the same for any size."""
+def VARIED(i: int) -> tuple[int, int]:
+    """70 shapes of matrix, in turn."""
+    return 4 + i % 7, 8 + i % 10
+
+
+@pytest.mark.slow  # about 40 s: tracing 3,000 parameters' chunks twice
+def test_fused_update_graphs_do_not_grow_with_the_parameter_count_or_their_shapes(monkeypatch):
+    """The compiled update traced (aot_eager) for 3,000 parameters of one shape, for 30, and for
+    300 of 70 shapes: each graph holds at most one chunk, the same few graphs serve all three
+    (about two kinds of chunk per group: sizes are symbolic), none is made on the second step, and
+    the update is the eager one. One graph over every parameter took minutes to compile on a GPU for
+    a model with a parameter per expert matrix (the starter's bench hung); one graph per shape took
+    most of a bench's first step. Chunks of 4 here, to keep the tracing cheap; the rule is the same
+    for any size."""
     from onenode.train import master_update
 
     monkeypatch.setattr(master_update, "CHUNK", 4)
 
     def compiled(record):
-        return torch.compile(master_update._adamw, backend=record, dynamic=False, fullgraph=True)
+        return master_update.compiled_update(record, fullgraph=True)
 
     small, _ = _fused_update_graphs(30, compiled)
     large, large_masters = _fused_update_graphs(3000, compiled)
+    varied, varied_masters = _fused_update_graphs(300, compiled, shapes_of=VARIED)
     assert max(large) <= max(small) <= 40 * master_update.CHUNK, (small, large)
-    assert len(large) <= len(small) + 2, (small, large)  # only the groups' last chunks differ
+    assert len(varied) <= len(large) <= len(small) + 2 <= 8, (small, large, varied)  # groups' last chunks differ
     _, eager_masters = _fused_update_graphs(3000, lambda record: master_update._adamw)
-    for compiled_master, eager_master in zip(large_masters, eager_masters):
+    _, eager_varied = _fused_update_graphs(300, lambda record: master_update._adamw, shapes_of=VARIED)
+    for compiled_master, eager_master in zip(large_masters + varied_masters, eager_masters + eager_varied):
         assert torch.allclose(compiled_master, eager_master, rtol=1e-6, atol=1e-7)
 
 
@@ -402,7 +412,7 @@ def test_the_compiled_fused_update_writes_the_copies(monkeypatch):
     weights = parallel.master_weights
     fused = master_update.clip_and_update
     monkeypatch.setattr(master_update, "clip_and_update",
-                        lambda w, o, m: fused(w, o, m, update=master_update._compiled_adamw()))
+                        lambda w, o, m: fused(w, o, m, update=master_update.compiled_update()))
     losses = []
     for _ in range(3):
         losses.append(train_step(parallel, optimizer, ids, labels)["loss"])

@@ -15,12 +15,17 @@ applies to plain `torch.optim.AdamW` and to steps of one micro-batch (several ad
 the masters). The first step makes the state as torch's AdamW would, so it is fused too: what it
 compiles falls in a run's first step, which benchmarks leave out as warm-up.
 
-The compiled update takes the parameters in chunks of at most `CHUNK`, sorted by shape and dtype,
-so its graphs stay the size of one chunk whatever the model's parameter count: a model that keeps
-one parameter per expert matrix (thousands of them) reuses a few graphs of `CHUNK` same-shaped
-tensors, instead of compiling one graph that unrolls every parameter. A CPU runs the same function
-uncompiled, a loop of small ops: one process in bf16 on a CPU is for tests and smoke runs, and there
-it checks the very update a GPU compiles.
+The compiled update takes the parameters in chunks of at most `CHUNK`, so its graphs stay the size
+of one chunk whatever the model's parameter count. The update is elementwise, so each tensor goes in
+flattened, and the graph of a chunk is compiled with its sizes symbolic (`dynamic=True`, without
+duck shaping, so that two equal sizes are not taken for one): one graph serves every chunk of the
+same dtypes and length, whatever its parameters' shapes. The chunks are sorted by dtype, so a model
+makes about two graphs per kind of parameter (its full chunks and its last one) and per group,
+where one graph per distinct shape took most of the first step: about 10 s each on a GPU, 11 of
+them for the reference solution's a1-1gpu and 15 for the starter's (95 to 111 s before a bench's
+first number). int8 moments, whose blocks follow rows, keep their shapes and a graph per shape. A
+CPU runs the same function uncompiled, a loop of small ops: one process in bf16 on a CPU is for
+tests and smoke runs, and there it checks the very update a GPU compiles.
 
 int8 moments (`optimizer.moments: int8`): each moment of a tensor of two or more dimensions is kept
 as 8-bit codes (uint8: indexes into a map of 256 values) and one float32 scale per block of up to
@@ -43,6 +48,7 @@ import contextlib
 import functools
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch.distributed.tensor import DTensor
 
 from ..parallel.mixed_precision import MasterWeights
@@ -216,23 +222,50 @@ def _encode(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, codebook:
 
 
 @functools.cache
-def _compiled_adamw():
-    """`_adamw` compiled (a GPU's update), made on first use: `torch.compile` loads inductor, about
-    1.3 s of CPU in every process that imports the step, the CPU ones that never compile included."""
-    return torch.compile(_adamw, dynamic=False)
+def compiled_update(backend="inductor", fullgraph: bool = False):
+    """`_adamw` compiled (a GPU's update), made on first use (`torch.compile` loads inductor, about
+    1.3 s of CPU in every process that imports the step, the CPU ones that never compile included):
+    a flattened chunk (`_flat`) by one graph with its sizes symbolic, an int8 chunk by a graph per
+    shape. `backend` and `fullgraph` are torch.compile's (tests trace with their own)."""
+    flat_graphs = torch.compile(_adamw, dynamic=True, backend=backend, fullgraph=fullgraph)
+    shaped_graphs = torch.compile(_adamw, dynamic=False, backend=backend, fullgraph=fullgraph)
+
+    def update(params, grads, exp_avgs, *rest):
+        flat = all(p.ndim == 1 for p in params) and exp_avgs[0].dtype != torch.uint8
+        with fx_config.patch(use_duck_shape=False):
+            return (flat_graphs if flat else shaped_graphs)(params, grads, exp_avgs, *rest)
+    return update
 
 
 def chunk_update(device: torch.device):
     """The function a chunk's update runs on `device`: `_adamw`, compiled on a GPU (`offload.py`
     calls it on the chunks it copies there)."""
-    return _compiled_adamw() if device.type == "cuda" else _adamw
+    return compiled_update() if device.type == "cuda" else _adamw
+
+
+def _flat(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """`tensor` as one dimension (a view: updated in place through it)."""
+    return None if tensor is None else tensor.view(-1)
+
+
+def _member(param: torch.Tensor, grad: torch.Tensor, state: dict, copy: torch.Tensor | None) -> tuple:
+    """One parameter's tensors for the update, flattened where the update is elementwise on them
+    all: float moments, every tensor contiguous (int8's blocks follow rows: kept as they are)."""
+    tensors = [param, grad, state["exp_avg"], state["exp_avg_sq"]] + ([] if copy is None else [copy])
+    if state["exp_avg"].dtype == torch.uint8 or not all(t.is_contiguous() for t in tensors):
+        return param, grad, state, copy
+    state = {**state, "exp_avg": _flat(state["exp_avg"]), "exp_avg_sq": _flat(state["exp_avg_sq"])}
+    return _flat(param), _flat(grad), state, _flat(copy)
 
 
 def _signature(member) -> tuple:
-    """What a compiled graph specializes on, per parameter: chunks of equal signatures share a graph."""
+    """What a compiled graph specializes on, per parameter: chunks of equal signatures share a graph.
+    A flattened member's size is symbolic in its graph (`compiled_update`), so only its dtypes count."""
     param, grad, state, copy = member
-    return (tuple(param.shape), param.stride(), param.dtype, grad.dtype, grad.stride(), state["exp_avg"].dtype,
-            None if copy is None else copy.dtype)
+    dtypes = (param.dtype, grad.dtype, state["exp_avg"].dtype, None if copy is None else copy.dtype)
+    if param.ndim == 1 and param.stride() == grad.stride() == (1,) and state["exp_avg"].dtype != torch.uint8:
+        return ("flat", *dtypes)
+    return (tuple(param.shape), param.stride(), grad.stride(), *dtypes)
 
 
 def chunks(members: list) -> list[tuple[tuple, list]]:
@@ -247,7 +280,7 @@ def chunks(members: list) -> list[tuple[tuple, list]]:
 def graphs_allowed(calls: list[tuple]) -> contextlib.AbstractContextManager:
     """Room in dynamo's cache for one graph per distinct chunk of this step (its default limit of 8
     per function would send the rest to eager): at most the number of chunks, in practice about two
-    per distinct parameter shape."""
+    per kind of parameter and group (`_signature`)."""
     distinct = len({(signatures, hyper) for _, signatures, _, hyper in calls})
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
@@ -287,8 +320,8 @@ def _calls(optimizer: torch.optim.AdamW, copy_of) -> tuple[list[tuple], list[tor
             grad = copy.grad if copy is not None else param.grad
             if grad is not None:
                 state = _state(optimizer, group, param)
-                members.append((_local(param), _local(grad), {key: _local(value) for key, value in state.items()},
-                                copy))
+                members.append(_member(_local(param), _local(grad),
+                                       {key: _local(value) for key, value in state.items()}, copy))
         grads += [grad for _, grad, _, _ in members]
         if members:
             lr = torch.full((), group["lr"], device=members[0][1].device)
