@@ -37,6 +37,7 @@ def test_bench_writes_a_valid_record(tmp_path, capsys):
     assert record["command"].startswith("onenode bench") and "--preset tiny" in record["command"]
     assert record["commit"] and record["env"]["versions"]["torch"]
     assert len(record["steps"]["step_times_s"]) == 2 and len(record["steps"]["losses"]) == 3
+    assert len(record["steps"]["warmup_step_times_s"]) == 1 and record["steps"]["warmup_step_times_s"][0] > 0
     # Random tokens over 512 ids: the loss at initialisation is close to log(512).
     assert all(abs(loss - math.log(512)) < 0.5 for loss in record["steps"]["losses"])
     assert r["tokens_per_step"] == 32

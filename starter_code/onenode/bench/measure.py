@@ -78,7 +78,7 @@ def run(args) -> dict:
     batches = synthetic_batches(config.vocab_size, recipe.train.global_batch_size, recipe.train.seq_len, recipe.seed,
                                 training.dp_rank, layout.dp)
     tokens_per_step = recipe.tokens_per_step
-    step_times, losses = [], []
+    step_times, warmup_times, losses = [], [], []  # warm-up: the first step compiles (the time to a first number)
 
     def step() -> dict:
         input_ids, labels = (t.to(device, non_blocking=True) for t in next(batches))
@@ -96,8 +96,7 @@ def run(args) -> dict:
             sync(device)
             elapsed = time.perf_counter() - start
             losses.append(out["loss"])
-            if i >= args.warmup:
-                step_times.append(elapsed)
+            (step_times if i >= args.warmup else warmup_times).append(elapsed)
             bar.set_postfix(loss=f"{out['loss']:.3f}" if out["loss"] is not None else "-",
                             tok_s=f"{tokens_per_step / elapsed:,.0f}")
             bar.update()
@@ -177,6 +176,7 @@ def run(args) -> dict:
                    "mamba_kernel": config.mamba_kernel, "module": _qualified_name(training.parallel.model)},
         "env": environment(world) | {"cuda": torch.version.cuda, "device_type": device.type},
         "steps": {"warmup": args.warmup, "measured": args.steps, "step_times_s": step_times,
+                  "warmup_step_times_s": warmup_times,
                   "losses": losses, "profiled": args.profile_steps if split else 0},
         "results": results,
         "flops": {"per_kind_forward": report.per_kind(), "causal_attention": True},
