@@ -344,10 +344,17 @@ def _update(calls: list[tuple], coef: torch.Tensor, update=None) -> None:
     with graphs_allowed(calls):
         for chunk, _, lr, hyper in calls:
             params, chunk_grads, states, copies = (list(column) for column in zip(*chunk))
-            scales = [(s["exp_avg_scale"], s["exp_avg_sq_scale"]) if "exp_avg_scale" in s else None for s in states]
-            update(params, chunk_grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                   [s["step"] for s in states], copies, lr, coef.to(lr.device), *hyper,
-                   *((scales, _codebooks(lr.device)) if any(scales) else ()))
+            run_chunk(update, params, chunk_grads, states, copies, lr, coef.to(lr.device), hyper)
+
+
+def run_chunk(update, params: list, grads: list, states: list[dict], copies: list, lr: torch.Tensor,
+              coef: torch.Tensor, hyper: tuple) -> None:
+    """One chunk's `update` call, its moments, step counts and int8 scales read from `states`
+    (`offload.py` calls it on the copies it stages on the device)."""
+    scales = [(s["exp_avg_scale"], s["exp_avg_sq_scale"]) if "exp_avg_scale" in s else None for s in states]
+    update(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+           [s["step"] for s in states], copies, lr, coef, *hyper,
+           *((scales, _codebooks(lr.device)) if any(scales) else ()))
 
 
 class AdamWCompactMoments(torch.optim.AdamW):

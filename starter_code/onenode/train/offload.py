@@ -29,14 +29,15 @@ Why the kit's own and not torchao's `CPUOffloadOptimizer` (torchao 0.18):
   the model's parameters.
 - It is not on the GPU image; this needs nothing but torch.
 What it costs: the host link carries the state, 12 bytes a parameter each way a step (8 with
-bfloat16 moments), where torchao moves a gradient down and a parameter up (4 bytes each way) and
-does the arithmetic on the host. On a GH200's NVLink-C2C (about 450 GB/s each way) the state of
-group6-7b moves in about 0.2 s; on an H200's PCIe Gen5 (about 55 GB/s each way) in about 1.5 s,
-overlapped with the update only (the clip needs every gradient first), where torchao's transfers
-take about 0.5 s and overlap the backward, and its host step reads and writes 28 bytes a parameter
-(torch's fused CPU AdamW: 0.8 G parameters a second on one core of the machine this was written on,
-so about 9 core-seconds for 7B, bound by the host's memory bandwidth across cores). Which is faster
-on an H200 host is for its record (benchmarks/README.md) to say.
+bfloat16 moments, about 6 with int8's codes and block scales, streamed alike), where torchao moves a
+gradient down and a parameter up (4 bytes each way) and does the arithmetic on the host. On a
+GH200's NVLink-C2C (about 450 GB/s each way) the state of group6-7b moves in about 0.2 s; on an
+H200's PCIe Gen5 (about 55 GB/s each way) in about 1.5 s, overlapped with the update only (the clip
+needs every gradient first), where torchao's transfers take about 0.5 s and overlap the backward,
+and its host step reads and writes 28 bytes a parameter (torch's fused CPU AdamW: 0.8 G parameters a
+second on one core of the machine this was written on, so about 9 core-seconds for 7B, bound by the
+host's memory bandwidth across cores). Which is faster on an H200 host is for its record
+(benchmarks/README.md) to say.
 
 On a CPU the device is the CPU: the masters stay where they are, and the same loop copies each
 chunk's state to new tensors and back, plainly and without streams, which is what the tests run.
@@ -49,7 +50,7 @@ import contextlib
 import torch
 
 from ..parallel.mixed_precision import MasterWeights
-from .master_update import AdamWCompactMoments, chunk_update, graphs_allowed
+from .master_update import AdamWCompactMoments, chunk_update, graphs_allowed, run_chunk
 
 CHUNK_BYTES = 1 << 29  # 512 MiB: a chunk's state at most, unless one parameter alone holds more
 # Pinned host memory in blocks of 1 GiB, each tensor a slice of one: torch's pinned allocator rounds
@@ -153,8 +154,8 @@ class AdamWOffloaded(AdamWCompactMoments):
                     staged, back = _upload(chunk, self.device, cuda, streams=(compute, downloads))
                     if cuda:
                         compute.wait_stream(uploads)
-                params, grads, exp_avgs, exp_avg_sqs, steps, copies = staged
-                update(params, grads, exp_avgs, exp_avg_sqs, steps, copies, lr.to(self.device), coef, *hyper)
+                params, grads, states, copies = staged
+                run_chunk(update, params, grads, states, copies, lr.to(self.device), coef, hyper)
                 with _on(downloads):
                     if cuda:
                         downloads.wait_stream(compute)
@@ -207,12 +208,10 @@ def _upload(chunk: list, device: torch.device, cuda: bool, streams: tuple) -> tu
             back.append((tensor, on_device))
         return on_device
 
-    columns = ([], [], [], [], [], [])
+    columns = ([], [], [], [])
     for param, grad, state, copy in chunk:
         columns[0].append(staged(param, True))
         columns[1].append(staged(grad, False))
-        columns[2].append(staged(state["exp_avg"], True))
-        columns[3].append(staged(state["exp_avg_sq"], True))
-        columns[4].append(staged(state["step"], True))
-        columns[5].append(copy)
+        columns[2].append({key: staged(value, True) for key, value in state.items()})  # moments, step, int8 scales
+        columns[3].append(copy)
     return columns, back

@@ -254,9 +254,6 @@ class Recipe:
             (self.optimizer.name == "adamw", "is AdamW's: set optimizer.name adamw"),
             (t.precision == "bf16", "offloads bf16 training's float32 masters: set train.precision bf16"),
             (t.fused_update, "streams the state through the fused update: set train.fused_update true"),
-            (self.optimizer.moments != "int8",
-             "streams float32 or bfloat16 moments (not int8's codes and block scales yet): "
-             "set optimizer.moments bfloat16"),
             (p.dp in (-1, 1) and p.ep == 1 and p.pp == 1 and not p.diloco.inner_steps,
              "runs one process (FSDP across ranks keeps the state on each GPU): set parallel dp -1, ep 1, pp 1, "
              "no diloco, and launch one process"),
