@@ -11,6 +11,7 @@ import torch
 
 from ..flops import mfu, model_flops
 from ..parallel.distributed import init_distributed
+from ..parallel.float8 import summary as float8_summary
 from ..profiling import kernel_mix, launches, profiled, self_times, time_split, top_kernels, write_trace
 from ..train.assembly import assemble, data_parallel_size
 from ..train.logging import environment, git_commit
@@ -75,6 +76,8 @@ def run(args) -> dict:
     except RecipeError as e:
         raise SystemExit(f"onenode bench: {e}") from None
     config, device, layout, rank = training.config, training.device, training.layout, training.rank
+    if training.float8 and rank == 0 and not args.quiet:
+        print(f"onenode bench: {float8_summary(training.float8)}", flush=True)
     batches = synthetic_batches(config.vocab_size, recipe.train.global_batch_size, recipe.train.seq_len, recipe.seed,
                                 training.dp_rank, layout.dp)
     tokens_per_step = recipe.tokens_per_step
@@ -171,6 +174,7 @@ def run(args) -> dict:
                    "micro_batch": layout.micro_batch, "accumulation": layout.accumulation, "seq_len": t.seq_len,
                    "activation_checkpointing": t.activation_checkpointing, "compile": t.compile,
                    "cuda_graphs": t.cuda_graphs, "cuda_graph_note": training.cuda_graph_note(),
+                   "float8": training.float8 and float8_summary(training.float8),
                    "unfused_update": not t.fused_update, "dtype": t.precision,
                    "optimizer": recipe.optimizer.name, "lr": recipe.optimizer.lr, "seed": recipe.seed,
                    "mamba_kernel": config.mamba_kernel, "module": _qualified_name(training.parallel.model)},

@@ -30,6 +30,7 @@ from ..parallel import ParallelDims, ParallelModel, parallelize
 from ..parallel.compile_and_checkpoint import cuda_graph_skips
 from ..parallel.diloco import ReplicaGroups, replica_group
 from ..parallel.distributed import init_distributed, local_device
+from ..parallel.float8 import apply_float8
 from .balance import RouterBalancer
 from .optim import optimizers_of
 from .recipe import Recipe, RecipeError
@@ -108,6 +109,7 @@ class TrainingRun:
     parallel: ParallelModel
     optimizer: torch.optim.Optimizer
     balancer: RouterBalancer
+    float8: dict | None = None  # `train.float8`'s layers: converted and kept bf16, per kind (parallel/float8.py)
     replica: int = 0  # this DiLoCo replica group (0 without DiLoCo)
     diloco: ReplicaGroups | None = None
 
@@ -195,6 +197,7 @@ def assemble(recipe: Recipe, *, device: torch.device | str | None = None,
         init_weights(model)
     if replace_model is not None:
         model = replace_model(model)
+    float8 = _apply_float8(model, t.float8, replaced=replace_model is not None)
     p = recipe.parallel
     pipeline = {"schedule": p.pp_schedule, "microbatches": p.microbatches or None} if p.pp > 1 else {}
     parallel = parallelize(model, layout.dims, param_dtype=torch.bfloat16 if t.precision == "bf16" else None,
@@ -207,10 +210,23 @@ def assemble(recipe: Recipe, *, device: torch.device | str | None = None,
     if recipe.moe.aux_loss_coef > 0 and parallel.pipeline is not None:
         raise RecipeError("recipe: moe.aux_loss_coef needs parallel.pp: 1 (pipeline stages compute their own loss)")
     balancer = RouterBalancer(parallel, aux_loss=recipe.moe.aux_loss_coef > 0)
-    run = TrainingRun(recipe, config, device, rank, layout, parallel, optimizer, balancer)
+    run = TrainingRun(recipe, config, device, rank, layout, parallel, optimizer, balancer, float8=float8)
     if layout.replicas > 1:
         run.replica, run.diloco = _join_replica_groups(run, world)
     return run
+
+
+def _apply_float8(model: nn.Module, kinds: list[str], replaced: bool) -> dict | None:
+    """`train.float8` applied to the plain model (`parallel/float8.py`), None when it names no kind."""
+    if not kinds:
+        return None
+    if replaced:
+        raise RecipeError("recipe: train.float8 converts the kit's own model's layers; a replaced model (another "
+                          "implementation) runs in bf16: set train.float8 []")
+    try:
+        return apply_float8(model, kinds)
+    except ImportError as e:
+        raise RecipeError(f"recipe: {e}") from None
 
 
 def _join_replica_groups(run: TrainingRun, world: int) -> tuple[int, ReplicaGroups]:

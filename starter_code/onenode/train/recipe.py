@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from ..model.config import NemotronHConfig, get_preset
+from ..parallel.float8 import FLOAT8_KINDS
 
 
 class RecipeError(ValueError):
@@ -80,6 +81,9 @@ class TrainSection:
     # one process in bf16 with AdamW: the clip, the update and the bf16 copies in one pass per
     # parameter (train/master_update.py); false: float32 gradients on the masters, torch's AdamW
     fused_update: bool = True
+    # linear layers trained in float8 (torchao's rowwise Float8Linear, parallel/float8.py), by kind:
+    # any of mamba, attention, mlp, experts; [] (the default): all in bf16
+    float8: list = field(default_factory=list)
     # GPU kernels that give the same bits on every run (torch's deterministic algorithms, no cuDNN
     # attention): what a run replayed on a GPU must train with to be verified (A2's GPU profiles)
     deterministic: bool = False
@@ -231,6 +235,8 @@ class Recipe:
             decisive["parallel"] = {k: v for k, v in decisive["parallel"].items() if k != "diloco"}
         if self.optimizer.moments == "float32":  # the default: the hash a recipe had before the option
             decisive["optimizer"] = {k: v for k, v in decisive["optimizer"].items() if k != "moments"}
+        if not self.train.float8:  # the default: the hash a recipe had before the option
+            decisive["train"] = {k: v for k, v in decisive["train"].items() if k != "float8"}
         if self.optimizer.state == "device":  # the default: the hash a recipe had before the option
             decisive["optimizer"] = {k: v for k, v in decisive["optimizer"].items() if k != "state"}
         return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
@@ -275,6 +281,10 @@ class Recipe:
             ("train.compile", t.compile in COMPILE_MODES, "is off, mixers or blocks"),
             ("train.cuda_graphs", not t.cuda_graphs or t.compile != "off",
              "replays compiled layers: set train.compile to blocks (or mixers)"),
+            ("train.float8", isinstance(t.float8, list) and set(t.float8) <= set(FLOAT8_KINDS),
+             f"is a list of layer kinds from {list(FLOAT8_KINDS)} ([]: none)"),
+            ("train.float8", not t.float8 or t.precision == "bf16",
+             "casts bf16 matmuls to float8: set train.precision bf16"),
             ("train.deterministic", not t.deterministic or self.model.overrides.get("mamba_kernel", "torch") == "torch",
              "needs model.mamba_kernel: torch (mamba_ssm's Triton backward adds with atomics, in no fixed order)"),
             ("data.source", self.data.source in DATA_SOURCES, "is synthetic, shards, config or megatron"),

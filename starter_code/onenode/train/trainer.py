@@ -37,6 +37,7 @@ import yaml
 
 from ..model import count_parameters
 from ..parallel.distributed import mean_over_ranks
+from ..parallel.float8 import summary as float8_summary
 from .assembly import assemble
 from .checkpoint import (
     export_final,
@@ -325,6 +326,8 @@ class Trainer:
             (self.out_dir / "recipe.yaml").write_text(yaml.safe_dump(r.to_dict(), sort_keys=False))
             if self.log.note:
                 print(self.log.note)
+            if self.run.float8:
+                print(float8_summary(self.run.float8))
         if r.checkpoint.enabled and self.previous_checkpoint is None:
             self.save()  # the seeded initialisation: the chain's first link
         bar = self._progress()
