@@ -6,7 +6,8 @@
 # The reference's graded tokens/s is then read beside its bench figure (benchmarks/README.md).
 #   bash benchmarks/h200_a1_graded_step.sh OUT [PROFILE]
 # SUBMISSIONS="reference-full" grades that one alone (a name that is a folder, e.g. a red-team case
-# built by tests/redteam, is graded as it is); BENCH_STARTER=0 leaves out the starter's bench.
+# built by tests/redteam, is graded as it is); BENCH_STARTER=0 leaves out the starter's bench,
+# BENCH_SOLUTION=0 the reference's (a re-grade alone).
 set -uo pipefail
 OUT=${1:?usage: h200_a1_graded_step.sh OUT [PROFILE]}
 PROFILE=${2:-h200x1}
@@ -16,9 +17,11 @@ cd "$KIT"
 CMD=$(python3 -c "from grader.a1.rubric import load_rubric; print(load_rubric().profiles['$PROFILE'].bench_command(0))")
 ARGS=${CMD#onenode bench }
 echo "graded step: $CMD" | tee "$OUT/command.txt"
-S=$(python3 benchmarks/run_a1_gpu.py --prepare | head -1)  # the reference solution applied to a copy of the starter
-(cd "$S" && eval PYTHONPATH=starter_code timeout 400 python3 -m onenode.cli bench $ARGS --steps 10 --warmup 3 --quiet \
-    --out "$OUT/bench-solution.json") 2>&1 | tail -12
+if [ "${BENCH_SOLUTION:-1}" = 1 ]; then
+    S=$(python3 benchmarks/run_a1_gpu.py --prepare | head -1)  # the reference solution applied to a copy of the starter
+    (cd "$S" && eval PYTHONPATH=starter_code timeout 400 python3 -m onenode.cli bench $ARGS --steps 10 --warmup 3 \
+        --quiet --out "$OUT/bench-solution.json") 2>&1 | tail -12
+fi
 COHORT=$(mktemp -d)
 for name in ${SUBMISSIONS:-reference-full starter-unchanged}; do
     if [ -d "$name" ]; then cp -r "$name" "$COHORT/"; continue; fi
