@@ -332,6 +332,42 @@ def test_fused_update_graphs_do_not_grow_with_the_parameter_count_or_their_shape
         assert torch.allclose(compiled_master, eager_master, rtol=1e-6, atol=1e-7)
 
 
+def test_the_fused_update_compiles_beside_the_graphs_earlier_runs_left():
+    """Graphs that earlier runs of the process left in `_adamw`'s cache (here eight, of chunks of 1 to 9
+    flat parameters) do not send a new model's chunks to eager: the limit counts them. Eager would
+    update with other roundings than the compiled step (an offloaded step beside a device step in
+    one process differed so on a GPU)."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from onenode.parallel.mixed_precision import MasterWeights
+    from onenode.train import master_update
+
+    made = []
+
+    def record(graph, example_inputs):
+        made.append(graph)
+        return lookup_backend("eager")(graph, example_inputs)
+
+    torch._dynamo.reset()
+    update = master_update.compiled_update(record)
+    scalars = (torch.tensor(1e-2), torch.tensor(1.0), 0.9, 0.95, 1e-8, 0.1)
+    for n in range(1, 9):
+        update(*([torch.zeros(5) for _ in range(n)] for _ in range(4)), [torch.tensor(0.0)] * n, [None] * n, *scalars)
+    earlier = len(made)
+    assert earlier == 8  # dynamo's default limit, full
+    masters = [torch.nn.Parameter(torch.randn(6, 4)) for _ in range(12)]
+    weights = MasterWeights()
+    for master in masters:
+        weights.copy_of[id(master)] = torch.nn.Parameter(master.detach().bfloat16())
+        weights.copy_of[id(master)].grad = torch.randn(6, 4).bfloat16()
+    optimizer = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
+    try:
+        master_update.clip_and_update(weights, optimizer, 1.0, update=update)
+        assert len(made) > earlier  # the new chunk compiled, not run eagerly past dynamo's limit
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the compiled update runs on a GPU"))])
 def test_fused_update_is_torch_adamw_on_the_same_gradients(device):

@@ -278,13 +278,19 @@ def chunks(members: list) -> list[tuple[tuple, list]]:
 
 
 def graphs_allowed(calls: list[tuple]) -> contextlib.AbstractContextManager:
-    """Room in dynamo's cache for one graph per distinct chunk of this step (its default limit of 8
-    per function would send the rest to eager): at most the number of chunks, in practice about two
-    per kind of parameter and group (`_signature`)."""
+    """Room in dynamo's cache for one graph per distinct chunk of this step besides those it holds:
+    its default limit of 8 per function would send the rest to eager, with other roundings than the
+    compiled update's. The graphs of both `compiled_update` kinds, and of every run this process made
+    before (a test, a bench beside another), are entries of `_adamw`'s one code object, so the limit
+    counts them too; this step adds at most its distinct chunks, about two per kind of parameter and
+    group (`_signature`)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
     distinct = len({(signatures, hyper) for _, signatures, _, hyper in calls})
+    cached = len(_debug_get_cache_entry_list(_adamw.__code__))
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    return config.patch(**{name: max(getattr(config, name), distinct)})
+    return config.patch(**{name: max(getattr(config, name), cached + distinct)})
 
 
 @torch.no_grad()
