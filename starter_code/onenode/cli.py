@@ -29,6 +29,7 @@ EXTRAS = {
     "nbgrader": "course", "jupyter": "course", "matplotlib": "course", "nbformat": "course", "nbclient": "course",
     "megatron": "megatron",  # megatron-core
     "torchft": "diloco",
+    "torchao": "float8",
 }
 
 
