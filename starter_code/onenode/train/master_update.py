@@ -17,15 +17,14 @@ compiles falls in a run's first step, which benchmarks leave out as warm-up.
 
 The compiled update takes the parameters in chunks of at most `CHUNK`, so its graphs stay the size
 of one chunk whatever the model's parameter count. The update is elementwise, so each tensor goes in
-flattened, and the graph of a chunk is compiled with its sizes symbolic (`dynamic=True`, without
-duck shaping, so that two equal sizes are not taken for one): one graph serves every chunk of the
-same dtypes and length, whatever its parameters' shapes. The chunks are sorted by dtype, so a model
-makes about two graphs per kind of parameter (its full chunks and its last one) and per group,
-where one graph per distinct shape took most of the first step: about 10 s each on a GPU, 11 of
-them for the reference solution's a1-1gpu and 15 for the starter's (95 to 111 s before a bench's
-first number). int8 moments, whose blocks follow rows, keep their shapes and a graph per shape. A
-CPU runs the same function uncompiled, a loop of small ops: one process in bf16 on a CPU is for
-tests and smoke runs, and there it checks the very update a GPU compiles.
+flattened and chunks are sorted by dtype and size: parameters of one size share a graph whatever
+their shapes, and a model that keeps one parameter per expert matrix (thousands of them) reuses a
+few graphs of `CHUNK` equal tensors. The sizes stay static: graphs with symbolic sizes (one per kind
+of chunk) made a1-1gpu's step 24% slower on one H200 (55,572 against 68,993 tokens/s at 1 x 4096)
+and its first step no faster (benchmarks/results/2026-12-04-h200-update-graphs-node-check/). int8
+moments, whose blocks follow rows, keep their shapes. A CPU runs the same function uncompiled, a
+loop of small ops: one process in bf16 on a CPU is for tests and smoke runs, and there it checks the
+very update a GPU compiles.
 
 int8 moments (`optimizer.moments: int8`): each moment of a tensor of two or more dimensions is kept
 as 8-bit codes (uint8: indexes into a map of 256 values) and one float32 scale per block of up to
@@ -48,7 +47,6 @@ import contextlib
 import functools
 
 import torch
-import torch.fx.experimental._config as fx_config
 from torch.distributed.tensor import DTensor
 
 from ..parallel.mixed_precision import MasterWeights
@@ -223,18 +221,11 @@ def _encode(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, codebook:
 
 @functools.cache
 def compiled_update(backend="inductor", fullgraph: bool = False):
-    """`_adamw` compiled (a GPU's update), made on first use (`torch.compile` loads inductor, about
-    1.3 s of CPU in every process that imports the step, the CPU ones that never compile included):
-    a flattened chunk (`_flat`) by one graph with its sizes symbolic, an int8 chunk by a graph per
-    shape. `backend` and `fullgraph` are torch.compile's (tests trace with their own)."""
-    flat_graphs = torch.compile(_adamw, dynamic=True, backend=backend, fullgraph=fullgraph)
-    shaped_graphs = torch.compile(_adamw, dynamic=False, backend=backend, fullgraph=fullgraph)
-
-    def update(params, grads, exp_avgs, *rest):
-        flat = all(p.ndim == 1 for p in params) and exp_avgs[0].dtype != torch.uint8
-        with fx_config.patch(use_duck_shape=False):
-            return (flat_graphs if flat else shaped_graphs)(params, grads, exp_avgs, *rest)
-    return update
+    """`_adamw` compiled (a GPU's update) with static sizes, a graph per chunk signature (`_signature`),
+    made on first use: `torch.compile` loads inductor, about 1.3 s of CPU in every process that
+    imports the step, the CPU ones that never compile included. `backend` and `fullgraph` are
+    torch.compile's (tests trace with their own)."""
+    return torch.compile(_adamw, dynamic=False, backend=backend, fullgraph=fullgraph)
 
 
 def chunk_update(device: torch.device):
@@ -260,11 +251,11 @@ def _member(param: torch.Tensor, grad: torch.Tensor, state: dict, copy: torch.Te
 
 def _signature(member) -> tuple:
     """What a compiled graph specializes on, per parameter: chunks of equal signatures share a graph.
-    A flattened member's size is symbolic in its graph (`compiled_update`), so only its dtypes count."""
+    A flattened member is its size and dtypes, whatever shape its parameter has."""
     param, grad, state, copy = member
     dtypes = (param.dtype, grad.dtype, state["exp_avg"].dtype, None if copy is None else copy.dtype)
     if param.ndim == 1 and param.stride() == grad.stride() == (1,) and state["exp_avg"].dtype != torch.uint8:
-        return ("flat", *dtypes)
+        return ("flat", param.numel(), *dtypes)
     return (tuple(param.shape), param.stride(), grad.stride(), *dtypes)
 
 
@@ -280,10 +271,10 @@ def chunks(members: list) -> list[tuple[tuple, list]]:
 def graphs_allowed(calls: list[tuple]) -> contextlib.AbstractContextManager:
     """Room in dynamo's cache for one graph per distinct chunk of this step besides those it holds:
     its default limit of 8 per function would send the rest to eager, with other roundings than the
-    compiled update's. The graphs of both `compiled_update` kinds, and of every run this process made
-    before (a test, a bench beside another), are entries of `_adamw`'s one code object, so the limit
-    counts them too; this step adds at most its distinct chunks, about two per kind of parameter and
-    group (`_signature`)."""
+    compiled update's. The graphs of every `compiled_update` and of every run this process made before
+    (a test, a bench beside another) are entries of `_adamw`'s one code object, so the limit counts
+    them too; this step adds at most its distinct chunks, about two per size of parameter and group
+    (`_signature`)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     distinct = len({(signatures, hyper) for _, signatures, _, hyper in calls})
