@@ -98,6 +98,16 @@ class Outcome:
 
 
 # -- the machine ---------------------------------------------------------------------------------
+def kit_not_installed() -> str | None:
+    """Why this Python cannot run the items, or None: every item imports the kit (`onenode`) from
+    it, which only an install puts there (a bare image's python3 has torch, not the kit)."""
+    try:
+        import onenode  # noqa: F401
+    except ModuleNotFoundError:
+        return f"{sys.executable} has no kit installed (import onenode failed)"
+    return None
+
+
 def gpu_names() -> tuple[list[str], str | None]:
     """The GPUs nvidia-smi lists, and why they could not be read (None: read, or no NVIDIA
     driver at all: a CPU-only machine)."""
@@ -369,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     (out / MARKER).write_text("logs of cluster/node_check.py; the next run replaces this folder\n")
+    problem = kit_not_installed()
+    if problem is not None:
+        print(format_outcome(Outcome("kit", "FAIL", problem, "run `make node-check` (on a node with its own CUDA torch: "
+                                     "`make TORCH_SPEC=torch node-check`), or `pip install -e .` into this Python")))
+        return 1
     names, problem = gpu_names()
     if problem is not None:
         print(format_outcome(Outcome("machine", "FAIL", problem,

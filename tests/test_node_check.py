@@ -66,6 +66,12 @@ def test_main_says_cpu_only_and_exits_by_the_outcomes(tmp_path, monkeypatch, cap
     monkeypatch.setattr(node_check, "gpu_names", lambda: ([], "nvidia-smi cannot talk to the driver (x)"))
     assert node_check.main(["--out", str(tmp_path / "out")]) == 1
     assert "fix: check the NVIDIA driver" in capsys.readouterr().out
+    kit = sys.modules["onenode"]
+    monkeypatch.setitem(sys.modules, "onenode", None)  # a Python without the kit: one line, nothing run
+    assert node_check.main(["--out", str(tmp_path / "out")]) == 1
+    out = capsys.readouterr().out
+    assert "has no kit installed" in out and "fix: run `make node-check`" in out and "CPU-only" not in out
+    monkeypatch.setitem(sys.modules, "onenode", kit)
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "cohort.csv").write_text("")
     with pytest.raises(SystemExit):  # a folder of other files is never replaced
