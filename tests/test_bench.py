@@ -243,3 +243,31 @@ def test_every_row_and_column_of_the_output_is_explained_in_help():
     help_text = " ".join(build_parser("bench")._subparsers._group_actions[0].choices["bench"].format_help().split())
     for name, meaning in {**TABLE_ROWS, **TOP_KERNEL_COLUMNS}.items():
         assert f"{name} {' '.join(meaning.split()[:6])}" in help_text, f"`onenode bench --help` lacks {name!r}"
+
+
+def test_the_bench_says_what_its_first_step_compiles_on_a_gpu():
+    """The note a GPU bench prints before a first step that compiles (90 to 145 s cold on one H200):
+    what compiles follows the layout (the fused update only in one bf16 process with AdamW), and
+    whether that step is measured follows --warmup; nothing on a CPU or when nothing compiles."""
+    import dataclasses
+
+    from onenode.bench.measure import compile_note
+    from onenode.train.assembly import assemble
+    from onenode.train.recipe import load_recipe
+
+    tiny = Path(__file__).resolve().parents[1] / "a2_pretrain" / "recipes" / "tiny.yaml"
+
+    def note(warmup=1, **settings):
+        settings = {"train.seq_len": 32, "train.micro_batch_size": 8, **settings}  # one micro-batch a step
+        training = assemble(load_recipe(tiny, settings), device="cpu")
+        return compile_note(dataclasses.replace(training, device=torch.device("cuda")), warmup), \
+            compile_note(training, warmup)
+
+    on_gpu, on_cpu = note(**{"train.precision": "bf16"})
+    assert on_cpu is None and "compiles the fused optimizer update with torch.compile" in on_gpu
+    assert "warm-up, not measured" in on_gpu
+    on_gpu, _ = note(0, **{"train.precision": "bf16", "train.compile": "blocks"})
+    assert "the fused optimizer update and the layers" in on_gpu and "--warmup 0 measures it" in on_gpu
+    assert note(**{"train.precision": "bf16", "train.fused_update": False})[0] is None
+    assert note(**{"train.precision": "bf16", "train.micro_batch_size": 4})[0] is None  # two micro-batches: unfused
+    assert note(**{"train.precision": "fp32"})[0] is None  # float32: no copies, torch's own AdamW

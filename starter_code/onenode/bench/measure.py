@@ -13,6 +13,7 @@ from ..flops import mfu, model_flops
 from ..parallel.distributed import init_distributed
 from ..parallel.float8 import summary as float8_summary
 from ..profiling import kernel_mix, launches, profiled, self_times, time_split, top_kernels, write_trace
+from ..train import master_update
 from ..train.assembly import assemble, data_parallel_size
 from ..train.logging import environment, git_commit
 from ..train.recipe import Recipe, RecipeError, from_dict, load_recipe, parse_override
@@ -61,6 +62,21 @@ def _qualified_name(module) -> str:
     return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
+def compile_note(training, warmup: int) -> str | None:
+    """What the first step compiles on a GPU, and what that costs (a cold first step took 90 to 145 s
+    on one H200, benchmarks/results/): a bench that prints nothing that long looks hung. None: nothing."""
+    t = training.recipe.train
+    fused = t.fused_update and master_update.applies(training.parallel.master_weights, training.optimizer,
+                                                     training.layout.accumulation)
+    compiled = ["the fused optimizer update"] * fused + ["the layers"] * (t.compile != "off")
+    if training.device.type != "cuda" or not compiled:
+        return None
+    measured = "it is warm-up, not measured" if warmup else "--warmup 0 measures it: pass --warmup 1 or more"
+    return (f"the first step compiles {' and '.join(compiled)} with torch.compile: a minute or two with a cold cache, "
+            "less once $TORCHINDUCTOR_CACHE_DIR (default /tmp/torchinductor_$USER) holds this command's kernels; "
+            f"{measured}")
+
+
 def run(args) -> dict:
     _, world = init_distributed()
     steps = args.warmup + args.steps + (args.profile_steps if args.profile or world > 1 else 0)
@@ -90,6 +106,8 @@ def run(args) -> dict:
     from tqdm import tqdm
 
     show = rank == 0 and not args.quiet
+    if show and (note := compile_note(training, args.warmup)):
+        print(f"onenode bench: {note}", flush=True)
     with tqdm(total=args.warmup + args.steps, desc=f"bench {recipe.model.preset or recipe.name}", disable=not show,
               unit="step") as bar:
         for i in range(args.warmup + args.steps):
