@@ -11,6 +11,7 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py one-unit -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py fsdp-one-rank -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py unfused-update -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py update-chunk --chunk 4 -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
 - `tf32`: float32 matmuls (the router, the SSD's cross-chunk carry) on TF32 tensor cores;
@@ -30,7 +31,11 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
   `router-own-unit` change only that layout: on one process, combine them with it;
 - `unfused-update`: one process in bf16 without `train/master_update.py`'s fused step (`onenode
   bench --unfused-update`): the gradients cast to float32 on the masters, clipped, torch's fused
-  AdamW, the copies cast again at the next forward.
+  AdamW, the copies cast again at the next forward;
+- `update-chunk --chunk N`: the fused update compiled over chunks of N parameters
+  (`master_update.CHUNK`, 16): smaller chunks repeat more often, so fewer distinct graphs of fewer
+  nodes may compile in a cold first step (on a CPU the tiny model's took 28 s with 4 against 58 s
+  with 16), for more calls a step.
 
 Probes combine: `fsdp-one-rank one-unit -- ...` applies both.
 
@@ -54,6 +59,7 @@ import onenode.parallel
 from onenode.cli import main as onenode_main
 from onenode.model import loss
 from onenode.parallel import fsdp
+from onenode.train import master_update
 
 
 def count_host_syncs() -> collections.Counter:
@@ -80,11 +86,14 @@ def fsdp_on_one_rank(model: torch.nn.Module, param_dtype: torch.dtype) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     usage="%(prog)s PROBE [PROBE ...] [--logits N] [--mode M] -- BENCH_OPTIONS")
+                                     usage="%(prog)s PROBE [PROBE ...] [--logits N] [--mode M] [--chunk N] "
+                                           "-- BENCH_OPTIONS")
     parser.add_argument("probes", nargs="+", metavar="PROBE",
                         choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
-                                 "router-own-unit", "one-unit", "fsdp-one-rank", "unfused-update"])
+                                 "router-own-unit", "one-unit", "fsdp-one-rank", "unfused-update",
+                                 "update-chunk"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
+    parser.add_argument("--chunk", type=int, help="update-chunk: parameters per compiled update call")
     parser.add_argument("--mode", choices=["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="compile-mode: torch.compile's mode for every compiled layer")
     argv = sys.argv[1:]
@@ -116,6 +125,10 @@ def main() -> int:
             onenode.parallel.apply_mixed_precision = fsdp_on_one_rank
         elif probe == "unfused-update":
             bench_options.append("--unfused-update")
+        elif probe == "update-chunk":
+            if args.chunk is None or args.chunk < 1:
+                parser.error("update-chunk needs --chunk N, N >= 1: parameters per compiled update call")
+            master_update.CHUNK = args.chunk
         elif not torch.cuda.is_available():
             parser.error("host-syncs counts waits for a CUDA GPU: none is visible here")
         else:

@@ -381,8 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / MARKER).write_text("logs of cluster/node_check.py; the next run replaces this folder\n")
     problem = kit_not_installed()
     if problem is not None:
-        print(format_outcome(Outcome("kit", "FAIL", problem, "run `make node-check` (on a node with its own CUDA torch: "
-                                     "`make TORCH_SPEC=torch node-check`), or `pip install -e .` into this Python")))
+        fix = ("run `make node-check` (on a node with its own CUDA torch: `make TORCH_SPEC=torch node-check`), or "
+               "`pip install -e .` into this Python")
+        print(format_outcome(Outcome("kit", "FAIL", problem, fix)))
         return 1
     names, problem = gpu_names()
     if problem is not None:

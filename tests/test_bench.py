@@ -216,6 +216,9 @@ def test_step_probes_run_bench_with_one_setting_changed(tmp_path):
     refused = subprocess.run([sys.executable, str(script), "compile-mode", "--", *bench_options],
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "compile-mode needs --mode" in refused.stderr.splitlines()[-1]
+    refused = subprocess.run([sys.executable, str(script), "update-chunk", "--chunk", "0", "--", *bench_options],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "update-chunk needs --chunk N, N >= 1" in refused.stderr.splitlines()[-1]
 
 
 def test_every_row_and_column_of_the_output_is_explained_in_help():
