@@ -274,3 +274,23 @@ def test_the_bench_says_what_its_first_step_compiles_on_a_gpu():
     assert note(**{"train.precision": "bf16", "train.fused_update": False})[0] is None
     assert note(**{"train.precision": "bf16", "train.micro_batch_size": 4})[0] is None  # two micro-batches: unfused
     assert note(**{"train.precision": "fp32"})[0] is None  # float32: no copies, torch's own AdamW
+
+
+def test_update_graphs_counts_what_the_fused_update_compiles():
+    """benchmarks/update_graphs.py on the tiny preset (meta device): every parameter is in one call,
+    a graph never traces more parameters than its chunk holds, and smaller chunks trace fewer."""
+    import importlib.util
+
+    from onenode.model import build_model
+    from onenode.train import master_update
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "update_graphs.py"
+    spec = importlib.util.spec_from_file_location("update_graphs", path)
+    update_graphs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(update_graphs)
+    params = sum(1 for _ in build_model(get_preset("tiny"), device="meta").parameters())
+    large, small = update_graphs.count("tiny", 16), update_graphs.count("tiny", 2)
+    assert master_update.CHUNK == 16  # put back
+    assert large["calls"] * 16 >= params and small["calls"] * 2 >= params > (small["calls"] - 2) * 2
+    assert large["parameters_traced"] <= 16 * large["graphs"] and small["parameters_traced"] <= 2 * small["graphs"]
+    assert small["parameters_traced"] < large["parameters_traced"] <= params
