@@ -4,7 +4,7 @@ Run from a kit tree (a patched copy for the solution); nothing is allocated (the
 
     PYTHONPATH=starter_code python3 benchmarks/update_graphs.py --preset a1-1gpu --chunks 16 8 4 --out OUT.json
 
-The members are the kit's (`master_update._member`: float32 master and moments, the bf16 copy's
+The members are the kit's (`master_update.update_member`: float32 master and moments, the bf16 copy's
 gradient and the copy), grouped as the kit's AdamW groups them (`weight_decay.param_groups`) and
 chunked by `master_update.chunks`. For each chunk size: the update's calls a step, its distinct
 graphs (each compiled once, in the first step) and the parameters those graphs trace, which is
@@ -24,13 +24,13 @@ from onenode.train import master_update
 from onenode.train.weight_decay import param_groups
 
 
-def _member(param: torch.Tensor) -> tuple:
+def _meta_member(param: torch.Tensor) -> tuple:
     def like(dtype):
         return torch.empty(param.shape, dtype=dtype, device="meta")
 
     master = like(torch.float32)
     state = {"step": torch.zeros((), device="meta"), "exp_avg": like(torch.float32), "exp_avg_sq": like(torch.float32)}
-    return master_update._member(master, like(torch.bfloat16), state, like(torch.bfloat16))
+    return master_update.update_member(master, like(torch.bfloat16), state, like(torch.bfloat16))
 
 
 def count(preset: str, chunk: int) -> dict:
@@ -40,7 +40,7 @@ def count(preset: str, chunk: int) -> dict:
     try:
         distinct, calls = {}, 0
         for index, group in enumerate(param_groups(model.named_parameters(), weight_decay=0.1)):
-            for signatures, members in master_update.chunks([_member(p) for p in group["params"]]):
+            for signatures, members in master_update.chunks([_meta_member(p) for p in group["params"]]):
                 calls += 1
                 distinct[(index, signatures)] = len(members)
     finally:

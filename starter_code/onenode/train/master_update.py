@@ -239,7 +239,7 @@ def _flat(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.view(-1)
 
 
-def _member(param: torch.Tensor, grad: torch.Tensor, state: dict, copy: torch.Tensor | None) -> tuple:
+def update_member(param: torch.Tensor, grad: torch.Tensor, state: dict, copy: torch.Tensor | None) -> tuple:
     """One parameter's tensors for the update, flattened where the update is elementwise on them
     all: float moments, every tensor contiguous (int8's blocks follow rows: kept as they are)."""
     tensors = [param, grad, state["exp_avg"], state["exp_avg_sq"]] + ([] if copy is None else [copy])
@@ -317,8 +317,8 @@ def _calls(optimizer: torch.optim.AdamW, copy_of) -> tuple[list[tuple], list[tor
             grad = copy.grad if copy is not None else param.grad
             if grad is not None:
                 state = _state(optimizer, group, param)
-                members.append(_member(_local(param), _local(grad),
-                                       {key: _local(value) for key, value in state.items()}, copy))
+                members.append(update_member(_local(param), _local(grad),
+                                             {key: _local(value) for key, value in state.items()}, copy))
         grads += [grad for _, grad, _, _ in members]
         if members:
             lr = torch.full((), group["lr"], device=members[0][1].device)
