@@ -90,3 +90,20 @@ def test_float8_trains_the_tiny_model_like_bf16(tmp_path):
     assert len(bf16) == len(float8) == 10 and float8[-1] < float8[0] - 0.1
     assert max(abs(a - b) for a, b in zip(bf16, float8)) < 0.05
     assert bf16 != float8  # the option changed the run
+
+
+@pytest.mark.slow  # about 40 s: 20 steps of the tiny model in float8, then the spans the profile draws replayed
+def test_a_float8_run_verifies(tmp_path, capsys):
+    """`onenode verify` on a tiny run with every kind in float8: the replay converts the same layers
+    (the recipe names them, and its hash covers them) and takes the same steps, bit for bit."""
+    pytest.importorskip("torchao.float8")
+    from onenode import cli
+
+    run = tmp_path / "run"
+    settings = ["train.float8=[mamba,attention,mlp,experts]", "train.precision=bf16", "checkpoint.every_steps=2",
+                "checkpoint.keep_last=0", "train.token_budget=10240", "log.progress_bar=false"]
+    assert cli.main(["train", str(TINY), "--out", str(run), *[a for s in settings for a in ("--set", s)]]) == 0
+    assert "float8" in (run / "recipe.yaml").read_text()
+    capsys.readouterr()
+    assert cli.main(["verify", str(run), "--profile", "cpu-tiny"]) == 0
+    assert "replayed bit for bit" in capsys.readouterr().out
