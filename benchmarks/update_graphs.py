@@ -7,8 +7,8 @@ Run from a kit tree (a patched copy for the solution); nothing is allocated (the
 The members are the kit's (`master_update.update_member`: float32 master and moments, the bf16 copy's
 gradient and the copy), grouped as the kit's AdamW groups them (`weight_decay.param_groups`) and
 chunked by `master_update.chunks`. For each chunk size: the update's calls a step, its distinct
-graphs (each compiled once, in the first step) and the parameters those graphs trace, which is
-most of a cold compile: on a CPU, inductor took about 2.6 s for a chunk of 4 and 8 s for one of 16.
+graphs (each compiled once, in the first step) and the parameters those graphs trace: what a cold
+first step compiles (`results/2026-12-04-cpu-update-graphs/`).
 """
 
 from __future__ import annotations
