@@ -38,6 +38,12 @@ def test_bench_writes_a_valid_record(tmp_path, capsys):
     assert record["commit"] and record["env"]["versions"]["torch"]
     assert len(record["steps"]["step_times_s"]) == 2 and len(record["steps"]["losses"]) == 3
     assert len(record["steps"]["warmup_step_times_s"]) == 1 and record["steps"]["warmup_step_times_s"][0] > 0
+    # where the time to the first number went: each part once, the parts adding up to the total
+    phases = record["steps"]["phases_s"]
+    assert set(phases) == {"assemble", "warmup", "measured", "ceiling", "total"}
+    assert phases["warmup"] >= record["steps"]["warmup_step_times_s"][0]
+    parts = sum(v for k, v in phases.items() if k != "total")
+    assert 0 < parts <= phases["total"] < parts + 1
     # Random tokens over 512 ids: the loss at initialisation is close to log(512).
     assert all(abs(loss - math.log(512)) < 0.5 for loss in record["steps"]["losses"])
     assert r["tokens_per_step"] == 32

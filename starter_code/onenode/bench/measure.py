@@ -78,6 +78,14 @@ def compile_note(training, warmup: int) -> str | None:
 
 
 def run(args) -> dict:
+    started = time.perf_counter()
+    phases = {}  # wall seconds of each part of the bench: where the time to a first number goes
+
+    def phase_done(name: str, since: float) -> float:
+        now = time.perf_counter()
+        phases[name] = now - since
+        return now
+
     _, world = init_distributed()
     steps = args.warmup + args.steps + (args.profile_steps if args.profile or world > 1 else 0)
     try:
@@ -91,6 +99,7 @@ def run(args) -> dict:
         training = assemble(recipe, replace_model=peer)
     except RecipeError as e:
         raise SystemExit(f"onenode bench: {e}") from None
+    mark = phase_done("assemble", started)
     config, device, layout, rank = training.config, training.device, training.layout, training.rank
     if training.float8 and rank == 0 and not args.quiet:
         print(f"onenode bench: {float8_summary(training.float8)}", flush=True)
@@ -108,6 +117,8 @@ def run(args) -> dict:
     show = rank == 0 and not args.quiet
     if show and (note := compile_note(training, args.warmup)):
         print(f"onenode bench: {note}", flush=True)
+    if not args.warmup:
+        phases["warmup"] = 0.0
     with tqdm(total=args.warmup + args.steps, desc=f"bench {recipe.model.preset or recipe.name}", disable=not show,
               unit="step") as bar:
         for i in range(args.warmup + args.steps):
@@ -123,6 +134,9 @@ def run(args) -> dict:
             bar.update()
             if i == args.warmup - 1 and (note := training.cuda_graph_note()) and show:
                 print(f"onenode bench: {note}", flush=True)
+            if i == args.warmup - 1:
+                mark = phase_done("warmup", mark)
+    mark = phase_done("measured", mark)
 
     split, kernels, mix, launched, trace = None, [], None, None, None
     if args.profile or world > 1:
@@ -138,6 +152,7 @@ def run(args) -> dict:
         launched = launches(times, args.profile_steps)
         if args.profile:
             trace = str(write_trace(prof, args.profile, rank))
+        mark = phase_done("profile", mark)
 
     median = statistics.median(step_times)
     report = model_flops(config, recipe.train.seq_len, layout.micro_batch)
@@ -176,9 +191,12 @@ def run(args) -> dict:
         "mean_kernel_s": launched and launched["mean_kernel_s"],
     }
     if args.measure_ceiling:
+        mark = time.perf_counter()
         ceiling = matmul_ceiling(device)
         results["ceiling_tflops"] = ceiling / 1e12
         results["mfu_vs_ceiling"] = mfu(tokens_per_s, report.matmul_flops_per_token, n_gpus, ceiling)
+        phase_done("ceiling", mark)
+    phases["total"] = time.perf_counter() - started
     return {
         "record": "onenode-bench",
         "version": RECORD_VERSION,
@@ -199,7 +217,11 @@ def run(args) -> dict:
         "env": environment(world) | {"cuda": torch.version.cuda, "device_type": device.type},
         "steps": {"warmup": args.warmup, "measured": args.steps, "step_times_s": step_times,
                   "warmup_step_times_s": warmup_times,
-                  "losses": losses, "profiled": args.profile_steps if split else 0},
+                  "losses": losses, "profiled": args.profile_steps if split else 0,
+                  # wall seconds: assemble (model built, laid out), warmup, measured, profile (window, analysis,
+                  # trace written), ceiling (--measure-ceiling), total (from the bench's start to its record;
+                  # the interpreter's start and imports come before)
+                  "phases_s": phases},
         "results": results,
         "flops": {"per_kind_forward": report.per_kind(), "causal_attention": True},
         "top_kernels": kernels,
