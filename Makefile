@@ -16,6 +16,10 @@ EXTRAS ?= hf,data,hub,eval,course,dev,megatron,float8
 # so a GPU node keeps its CUDA build. The lock holds no CUDA package (nvidia-*, triton), only what a
 # CPU torch needs, so it does not clash with the one a CUDA build brings.
 LOCK := requirements.lock
+# Triton for the fused update's kernel tests (tests/test_adamw_kernel.py run train/adamw_kernel.py in
+# Triton's interpreter on a CPU): torch's CPU build comes without it, a CUDA build brings its own, which
+# stays. The version torch 2.11's CUDA build brings (the GPU nodes' image).
+TRITON_SPEC ?= triton==3.6.0
 
 CACHE := $(CURDIR)/.cache
 export HF_HOME := $(CACHE)/hf
@@ -40,6 +44,7 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 	grep -v '^torch==' $(LOCK) > $(VENV)/constraints.txt
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[$(EXTRAS)]"
+	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q "$(TRITON_SPEC)"
 # NeMo Automodel's NemotronV3 and its state-dict adapter (tests/test_automodel_adapter.py), without
 # its dependencies: they pin another transformers and GPU-only kernels; its model code imports without them
 	$(PY) -m pip install -q --no-deps "nemo-automodel==0.7.0"

@@ -254,7 +254,7 @@ def test_every_row_and_column_of_the_output_is_explained_in_help():
         assert f"{name} {' '.join(meaning.split()[:6])}" in help_text, f"`onenode bench --help` lacks {name!r}"
 
 
-def test_the_bench_says_what_its_first_step_compiles_on_a_gpu():
+def test_the_bench_says_what_its_first_step_compiles_on_a_gpu(monkeypatch):
     """The note a GPU bench prints before a first step that compiles (90 to 145 s cold on one H200):
     what compiles follows the layout (the fused update only in one bf16 process with AdamW), and
     whether that step is measured follows --warmup; nothing on a CPU or when nothing compiles."""
@@ -272,6 +272,17 @@ def test_the_bench_says_what_its_first_step_compiles_on_a_gpu():
         return compile_note(dataclasses.replace(training, device=torch.device("cuda")), warmup), \
             compile_note(training, warmup)
 
+    from onenode.train import adamw_kernel
+
+    # the fused update's Triton kernel compiles in seconds: nothing to say, unless the layers compile
+    monkeypatch.setattr(adamw_kernel, "available", lambda: None)
+    assert note(**{"train.precision": "bf16"}) == (None, None)
+    on_gpu, _ = note(0, **{"train.precision": "bf16", "train.compile": "blocks"})
+    assert "compiles the layers with torch.compile" in on_gpu and "--warmup 0 measures it" in on_gpu
+    on_gpu, _ = note(**{"train.precision": "bf16", "optimizer.moments": "int8"})  # int8: inductor's update
+    assert "compiles the fused optimizer update with torch.compile" in on_gpu
+    # without Triton the update is inductor's: a graph per distinct chunk, a minute or more cold
+    monkeypatch.setattr(adamw_kernel, "available", lambda: "triton does not import")
     on_gpu, on_cpu = note(**{"train.precision": "bf16"})
     assert on_cpu is None and "compiles the fused optimizer update with torch.compile" in on_gpu
     assert "warm-up, not measured" in on_gpu

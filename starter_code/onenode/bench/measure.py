@@ -63,12 +63,14 @@ def _qualified_name(module) -> str:
 
 
 def compile_note(training, warmup: int) -> str | None:
-    """What the first step compiles on a GPU, and what that costs (a cold first step took 90 to 145 s
-    on one H200, benchmarks/results/): a bench that prints nothing that long looks hung. None: nothing."""
+    """What the first step compiles on a GPU with torch.compile, and what that costs (a cold first
+    step took 90 to 145 s on one H200, benchmarks/results/): a bench that prints nothing that long
+    looks hung. None: nothing (the fused update's Triton kernel compiles in seconds)."""
     t = training.recipe.train
     fused = t.fused_update and master_update.applies(training.parallel.master_weights, training.optimizer,
                                                      training.layout.accumulation)
-    compiled = ["the fused optimizer update"] * fused + ["the layers"] * (t.compile != "off")
+    compiled = (["the fused optimizer update"] * (fused and master_update.compiled_on_gpu(training.optimizer))
+                + ["the layers"] * (t.compile != "off"))
     if training.device.type != "cuda" or not compiled:
         return None
     measured = "it is warm-up, not measured" if warmup else "--warmup 0 measures it: pass --warmup 1 or more"

@@ -50,6 +50,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..parallel.mixed_precision import MasterWeights
+from . import adamw_kernel
 
 CHUNK = 16  # parameters per compiled call: bounds each graph's size (and compile time); a step makes N / CHUNK calls
 
@@ -229,9 +230,51 @@ def compiled_update(backend="inductor", fullgraph: bool = False):
 
 
 def chunk_update(device: torch.device):
-    """The function a chunk's update runs on `device`: `_adamw`, compiled on a GPU (`offload.py`
-    calls it on the chunks it copies there)."""
-    return compiled_update() if device.type == "cuda" else _adamw
+    """The function a chunk's update runs on `device`: on a GPU `kernel_update` (`adamw_kernel`'s
+    Triton kernel, `_adamw` compiled where Triton is missing), on a CPU `_adamw` itself
+    (`offload.py` calls it on the chunks it copies to the device)."""
+    if device.type != "cuda":
+        return _adamw
+    return kernel_update if adamw_kernel.available() is None else compiled_update()
+
+
+def compiled_on_gpu(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this optimizer's fused update is `_adamw` compiled by inductor on a GPU (a graph per
+    distinct chunk: a minute or more cold), not `adamw_kernel`'s: int8 moments, or no Triton."""
+    return getattr(optimizer, "moments_dtype", None) == torch.uint8 or adamw_kernel.available() is not None
+
+
+def kernel_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                  exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], copies: list[torch.Tensor | None],
+                  lr: torch.Tensor, coef: torch.Tensor, beta1: float, beta2: float, eps: float,
+                  weight_decay: float, scales=None, codebooks=None) -> None:
+    """`_adamw` by `adamw_kernel` (a launch per kind of parameter, compiled once whatever the sizes)
+    where it takes every member (`adamw_kernel.supports`), else `_adamw` compiled: int8 moments, a
+    tensor not contiguous."""
+    members = list(zip(params, grads, exp_avgs, exp_avg_sqs, copies))
+    if scales is None and all(adamw_kernel.supports(*member) for member in members):
+        adamw_kernel.adamw(params, grads, exp_avgs, exp_avg_sqs, steps, copies, lr, coef, beta1, beta2, eps,
+                           weight_decay)
+    else:
+        compiled_update()(params, grads, exp_avgs, exp_avg_sqs, steps, copies, lr, coef, beta1, beta2, eps,
+                          weight_decay, scales, codebooks)
+
+
+def whole_groups(calls: list[tuple]) -> list[tuple]:
+    """`calls` with the chunks of one parameter group that `kernel_update`'s kernel takes merged
+    into one call (it needs no chunks; one launch a kind instead of one a chunk): the others as
+    they are."""
+    merged, open_group = [], None  # open_group: the lr tensor of the last call, if it may take more
+    for chunk, signatures, lr, hyper in calls:
+        takes = all(adamw_kernel.supports(param, grad, state["exp_avg"], state["exp_avg_sq"], copy)
+                    for param, grad, state, copy in chunk)
+        if takes and open_group is lr:
+            last = merged[-1]
+            merged[-1] = (last[0] + chunk, last[1] + signatures, lr, hyper)
+        else:
+            merged.append((chunk, signatures, lr, hyper))
+        open_group = lr if takes else None
+    return merged
 
 
 def _flat(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -338,6 +381,8 @@ def _update(calls: list[tuple], coef: torch.Tensor, update=None) -> None:
         return
     if update is None:
         update = chunk_update(calls[0][0][0][1].device)
+    if update is kernel_update:
+        calls = whole_groups(calls)
     with graphs_allowed(calls):
         for chunk, _, lr, hyper in calls:
             params, chunk_grads, states, copies = (list(column) for column in zip(*chunk))

@@ -50,7 +50,7 @@ import contextlib
 import torch
 
 from ..parallel.mixed_precision import MasterWeights
-from .master_update import AdamWCompactMoments, chunk_update, graphs_allowed, run_chunk
+from .master_update import AdamWCompactMoments, chunk_update, graphs_allowed, kernel_update, run_chunk, whole_groups
 
 CHUNK_BYTES = 1 << 29  # 512 MiB: a chunk's state at most, unless one parameter alone holds more
 # Pinned host memory in blocks of 1 GiB, each tensor a slice of one: torch's pinned allocator rounds
@@ -135,6 +135,8 @@ class AdamWOffloaded(AdamWCompactMoments):
         cuda = self.device.type == "cuda"
         if update is None:
             update = chunk_update(self.device)
+        if update is kernel_update:
+            calls = whole_groups(calls)
         calls = [piece for call in calls for piece in _bounded(call)]
         if not calls:
             return

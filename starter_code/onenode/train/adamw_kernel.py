@@ -1,0 +1,192 @@
+"""The fused update's GPU kernel: `master_update._adamw`'s AdamW step for any number of parameters in
+one Triton launch per kind of parameter (the dtypes of its gradient and moments, whether it has a
+bf16 copy), as torch's fused AdamW and apex's multi-tensor apply do.
+
+Why hand-written: `_adamw` compiled by inductor specializes a graph on every chunk's sizes, and a
+cold compile of a1-1gpu's 13 distinct chunks took about 100 s of the first step on one H200
+(benchmarks/results/2026-12-04-h200-first-number/), most of the time to a first number; symbolic
+sizes made the step 24% slower. torch's own fused AdamW (`torch._fused_adamw_`) needs the gradient
+in the parameter's dtype, so the bf16 gradients would first be cast to float32 and the bf16 copies
+written by another pass (about 48 bytes a parameter against these 28). This kernel compiles once per
+kind (a few seconds) whatever the sizes, and launches once per kind a step.
+
+How: every parameter is cut into blocks of `BLOCK` elements; program i updates block i. A table on
+the device maps each block to its tensor, and each tensor to its element offsets from the first
+tensor of each role (master, gradient, moments, copy), so the kernel reads everything from a few
+base pointers. The tables follow the tensors' sizes and addresses, and are built again only when
+these change (the gradients of an eager step are new tensors each step; the caching allocator
+mostly gives them the addresses they had). Bias corrections are computed per tensor with torch ops
+on the device from each tensor's step count, as `_adamw` computes them, so the host never waits.
+
+The math, per element, is `_adamw`'s for float32 and bfloat16 moments, in float32. On a CPU the
+tests run this kernel in Triton's interpreter (`TRITON_INTERPRET=1`) against `_adamw`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK = 4096  # elements a program updates: 16 a thread at 8 warps, enough to hide the memory latency
+_ROLES = 5  # the table's columns: master, gradient, exp_avg, exp_avg_sq, copy (an element offset each)
+_TABLES_KEPT = 8  # tables of distinct addresses kept on the device (an eager step's few layouts of gradients)
+
+
+def available() -> str | None:
+    """Why the kernel cannot run here, or None where it can (Triton imports)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"triton does not import ({e})"
+    return None
+
+
+def supports(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+             copy: torch.Tensor | None) -> bool:
+    """Whether one parameter's update can be this kernel's: float32 master, float moments, every
+    tensor contiguous (the kernel reads them as flat runs of elements)."""
+    tensors = [param, grad, exp_avg, exp_avg_sq] + ([] if copy is None else [copy])
+    return (param.dtype == torch.float32 and exp_avg.dtype in (torch.float32, torch.bfloat16)
+            and exp_avg_sq.dtype == exp_avg.dtype and grad.dtype in (torch.float32, torch.bfloat16)
+            and (copy is None or copy.dtype in (torch.float32, torch.bfloat16))
+            and all(t.is_contiguous() for t in tensors))
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, made on first use (so the kit imports where Triton does not, and a test can
+    turn on Triton's interpreter first)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def adamw_blocks(block_tensor, tensor_first_block, offsets, numels, step_sizes, bias2_sqrts,
+                     params, grads, exp_avgs, exp_avg_sqs, copies, lr_ptr, coef_ptr,
+                     one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+                     P_ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, M_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
+                     C_ALIGN: tl.constexpr, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        t = tl.load(block_tensor + pid).to(tl.int64)
+        start = (pid - tl.load(tensor_first_block + t)).to(tl.int64) * BLOCK
+        numel = tl.load(numels + t)
+        index = start + tl.arange(0, BLOCK)
+        mask = index < numel
+        row = offsets + t * 5  # _ROLES
+        p_at = tl.multiple_of(tl.load(row), P_ALIGN) + index
+        g_at = tl.multiple_of(tl.load(row + 1), G_ALIGN) + index
+        m_at = tl.multiple_of(tl.load(row + 2), M_ALIGN) + index
+        v_at = tl.multiple_of(tl.load(row + 3), V_ALIGN) + index
+
+        lr = tl.load(lr_ptr)
+        g = tl.load(grads + g_at, mask=mask).to(tl.float32) * tl.load(coef_ptr)
+        p = tl.load(params + p_at, mask=mask)
+        m = tl.load(exp_avgs + m_at, mask=mask).to(tl.float32)
+        v = tl.load(exp_avg_sqs + v_at, mask=mask).to(tl.float32)
+        p = p * (1 - lr * weight_decay)
+        m = m + one_minus_beta1 * (g - m)  # torch's lerp for a weight below 0.5
+        v = v * beta2 + one_minus_beta2 * g * g
+        denom = tl.sqrt(v) / tl.load(bias2_sqrts + t) + eps
+        p = p - tl.load(step_sizes + t) * m / denom
+        tl.store(params + p_at, p, mask=mask)
+        tl.store(exp_avgs + m_at, m.to(exp_avgs.dtype.element_ty), mask=mask)
+        tl.store(exp_avg_sqs + v_at, v.to(exp_avg_sqs.dtype.element_ty), mask=mask)
+        if HAS_COPY:
+            c_at = tl.multiple_of(tl.load(row + 4), C_ALIGN) + index
+            tl.store(copies + c_at, p.to(copies.dtype.element_ty), mask=mask)
+
+    return adamw_blocks
+
+
+def adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+          exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], copies: list[torch.Tensor | None],
+          lr: torch.Tensor, coef: torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """`master_update._adamw` (without int8 moments) over all the given parameters, each kind of
+    parameter (`supports`) in one launch. `lr` and `coef` are 0-d float32 tensors on the device."""
+    kinds: dict[tuple, list[int]] = {}
+    for i, (grad, exp_avg, copy) in enumerate(zip(grads, exp_avgs, copies)):
+        kinds.setdefault((grad.dtype, exp_avg.dtype, None if copy is None else copy.dtype), []).append(i)
+    torch._foreach_add_(steps, 1)
+    step_values = torch.stack([s.to(params[0].device, torch.float32) for s in steps])
+    step_sizes = lr / (1 - beta1 ** step_values)
+    bias2_sqrts = (1 - beta2 ** step_values).sqrt()
+    for (_, _, copy_dtype), members in kinds.items():
+        pick = _to(torch.tensor(members), step_values.device) if len(members) < len(params) else None
+        columns = [[params[i] for i in members], [grads[i] for i in members], [exp_avgs[i] for i in members],
+                   [exp_avg_sqs[i] for i in members], [copies[i] for i in members] if copy_dtype else None]
+        _launch(columns, step_sizes if pick is None else step_sizes[pick],
+                bias2_sqrts if pick is None else bias2_sqrts[pick], lr, coef,
+                (1 - beta1, beta2, 1 - beta2, eps, weight_decay))  # as `_adamw`'s torch ops round them
+
+
+def _launch(columns: list, step_sizes: torch.Tensor, bias2_sqrts: torch.Tensor, lr: torch.Tensor,
+            coef: torch.Tensor, hyper: tuple) -> None:
+    """One launch over the tensors of one kind: `columns` = masters, gradients, exp_avgs,
+    exp_avg_sqs, copies (None: no copies)."""
+    bases = [column[0] if column else None for column in columns]
+    tables = _tables(columns)
+    has_copy = columns[4] is not None
+    _kernel()[(tables.blocks,)](
+        tables.block_tensor, tables.first_block, tables.offsets, tables.numels, step_sizes, bias2_sqrts,
+        *bases[:4], bases[4] if has_copy else bases[0], lr, coef, *hyper,
+        *tables.align, HAS_COPY=has_copy, BLOCK=BLOCK, num_warps=8)
+
+
+class _Tables:
+    """The device tables of one launch: each block's tensor, and each tensor's first block, numel and
+    element offsets from its role's base (the role's first tensor); `align`: per role, the power of
+    two (at most 16) that divides every offset, which the kernel may assume (vector loads)."""
+
+    def __init__(self, columns: list, device: torch.device):
+        rows = [column if column is not None else columns[0] for column in columns]
+        offsets = []
+        for tensors in zip(*rows):
+            row = []
+            for tensor, first in zip(tensors, (column[0] for column in rows)):
+                distance = tensor.data_ptr() - first.data_ptr()
+                if distance % tensor.element_size():
+                    raise ValueError("a tensor does not start at a whole element from its kind's first: "
+                                     "the fused update's kernel cannot address it")
+                row.append(distance // tensor.element_size())
+            offsets.append(row)
+        self.align = tuple(_alignment([row[role] for row in offsets]) for role in range(_ROLES))
+        numels = [t.numel() for t in rows[0]]
+        blocks = [-(-n // BLOCK) for n in numels]
+        first = [0]
+        for count in blocks[:-1]:
+            first.append(first[-1] + count)
+        self.blocks = first[-1] + blocks[-1]
+        self.offsets = _to(torch.tensor(offsets, dtype=torch.int64), device)
+        self.numels = _to(torch.tensor(numels, dtype=torch.int64), device)
+        self.first_block = _to(torch.tensor(first, dtype=torch.int32), device)
+        self.block_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32, device=device),
+                                                    _to(torch.tensor(blocks), device), output_size=self.blocks)
+
+
+def _alignment(offsets: list[int]) -> int:
+    """The largest power of two up to 16 that divides every offset."""
+    align = 16
+    while align > 1 and any(offset % align for offset in offsets):
+        align //= 2
+    return align
+
+
+def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host table on `device`, copied without making the host wait (pinned memory)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+_cache: dict[tuple, _Tables] = {}
+
+
+def _tables(columns: list) -> _Tables:
+    """The tables of these tensors, from the last `_TABLES_KEPT` made where the addresses and sizes
+    are the same."""
+    key = tuple((t.data_ptr(), t.numel()) for column in columns if column is not None for t in column)
+    tables = _cache.pop(key, None) or _Tables(columns, columns[0][0].device)
+    _cache[key] = tables  # the most recent last
+    while len(_cache) > _TABLES_KEPT:
+        del _cache[next(iter(_cache))]
+    return tables

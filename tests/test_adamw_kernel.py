@@ -1,0 +1,160 @@
+"""The fused update's Triton kernel (`train/adamw_kernel.py`), run by Triton's interpreter on a CPU
+(and compiled on a GPU, where there is one), against `master_update._adamw`: the update a CPU runs
+and inductor compiles.
+
+Triton's interpreter casts float32 to bfloat16 by dropping bits (3.6's `cast_impl`); a GPU rounds to
+the nearest even, as torch does. So on a CPU a bf16 copy may sit one bf16 step toward zero from its
+master's rounding; on a GPU it must be that rounding exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the kernel's tests run Triton's interpreter: make setup installs triton")
+
+from onenode.model import build_model, get_preset  # noqa: E402
+from onenode.parallel import ParallelDims, parallelize  # noqa: E402
+from onenode.train import adamw_kernel, master_update  # noqa: E402
+from onenode.train.step import build_optimizer  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="the compiled kernel runs on a GPU"))]
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    """Triton's interpreter for the kernel where no GPU is, made again with it (and after the test,
+    without); blocks of 64 elements, so a tensor spans several."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(adamw_kernel, "BLOCK", 64)
+    adamw_kernel._kernel.cache_clear()
+    adamw_kernel._cache.clear()
+    yield
+    adamw_kernel._kernel.cache_clear()
+    adamw_kernel._cache.clear()
+
+
+def _assert_copy_holds(copy: torch.Tensor, master: torch.Tensor) -> None:
+    """The bf16 copy is its master rounded to the nearest (a GPU), or cut toward zero by at most
+    one bf16 step (Triton's interpreter: the module docstring)."""
+    if copy.is_cuda:
+        assert torch.equal(copy, master.bfloat16())
+        return
+    cut = torch.where(master.bfloat16().float().abs() > master.abs(),
+                      torch.nextafter(master.bfloat16(), torch.zeros_like(master.bfloat16())), master.bfloat16())
+    assert torch.equal(copy, master.bfloat16()) or torch.equal(copy, cut)
+
+
+def _members(gen: torch.Generator, moments: torch.dtype, device: str = "cpu"):
+    """Parameters of every kind the kit's model has: bf16 gradients and copies, float32 gradients
+    and no copy (a router), sizes below, at and past a block, and one of a single element."""
+    kinds = [(torch.bfloat16, True), (torch.float32, False)]
+    members = []
+    for i, numel in enumerate([1, 63, 64, 65, 200, 3 * 64, 7]):
+        grad_dtype, has_copy = kinds[i % 2]
+        param = torch.randn(numel, generator=gen)
+        members.append({"param": param, "grad": (torch.randn(numel, generator=gen) * 0.1).to(grad_dtype),
+                        "exp_avg": (torch.randn(numel, generator=gen) * 0.01).to(moments),
+                        "exp_avg_sq": (torch.rand(numel, generator=gen) * 1e-4).to(moments),
+                        "step": torch.tensor(float(i % 3)),  # parameters at different step counts
+                        "copy": param.bfloat16() if has_copy else None})
+    return [{k: None if v is None else v.to(device) for k, v in m.items()} for m in members]
+
+
+def _run(update, members, lr=3e-3, coef=0.7):
+    cloned = [{k: None if v is None else v.clone() for k, v in m.items()} for m in members]
+    columns = [[m[k] for m in cloned] for k in ("param", "grad", "exp_avg", "exp_avg_sq", "step", "copy")]
+    device = members[0]["param"].device
+    update(*columns, torch.tensor(lr, device=device), torch.tensor(coef, device=device), 0.9, 0.95, 1e-8, 0.1)
+    return cloned
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_the_kernel_is_the_update_a_cpu_runs(moments, device):
+    """Two steps of the kernel and of `_adamw` from the same state: masters, moments and step counts
+    agree to float32 rounding, the copies hold the masters, and every element moved (a block the
+    kernel missed would not)."""
+    members = _members(torch.Generator().manual_seed(0), moments, device)
+    kernel, reference = members, members
+    for _ in range(2):
+        kernel, reference = _run(adamw_kernel.adamw, kernel), _run(master_update._adamw, reference)
+    for start, got, want in zip(members, kernel, reference):
+        assert torch.equal(got["step"], want["step"]) and float(got["step"]) == float(start["step"]) + 2
+        assert (got["param"] != start["param"]).all()
+        # bf16 moments carry 8 bits: the interpreter's cut (module docstring) moves the second step by ~1%
+        rounding = 1e-2 if moments == torch.bfloat16 else 1e-6
+        moved = float((want["param"] - start["param"]).abs().max())
+        assert torch.allclose(got["param"], want["param"], rtol=1e-6, atol=rounding * moved)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert got[key].dtype == moments  # relative to the largest: lerp cancels
+            assert torch.allclose(got[key].float(), want[key].float(), rtol=0,
+                                  atol=rounding * float(want[key].float().abs().max())), key
+        if start["copy"] is not None:
+            _assert_copy_holds(got["copy"], got["param"])
+
+
+def test_the_tables_follow_the_tensors():
+    """A launch over new tensors at other addresses updates those, not the ones of the last launch:
+    the tables are looked up by address and size."""
+    gen = torch.Generator().manual_seed(1)
+    first, second = _members(gen, torch.float32), _members(gen, torch.float32)
+    updated_first = _run(adamw_kernel.adamw, first)
+    updated_second = _run(adamw_kernel.adamw, second)
+    reference = _run(master_update._adamw, second)
+    for got, want in zip(updated_second, reference):
+        assert torch.allclose(got["param"], want["param"], rtol=1e-6, atol=1e-7)
+    assert not torch.equal(updated_first[0]["param"], updated_second[0]["param"])
+
+
+def test_the_kit_step_through_the_kernel_matches_the_cpu_step(monkeypatch):
+    """`clip_and_update` with `kernel_update` (a GPU's update) on the tiny model in bf16: one launch
+    per parameter group and kind of parameter (`whole_groups` merges a group's chunks), and the
+    masters agree with the CPU's `_adamw` to float32 rounding after three steps."""
+    monkeypatch.setattr(adamw_kernel, "BLOCK", 4096)  # the interpreter runs each block in Python
+    config = get_preset("tiny")
+    launches = []
+    launch = adamw_kernel._launch
+    monkeypatch.setattr(adamw_kernel, "_launch", lambda columns, *rest: launches.append(len(columns[0]))
+                        or launch(columns, *rest))
+
+    def train(update):
+        parallel = parallelize(build_model(config, seed=0), ParallelDims(), param_dtype=torch.bfloat16)
+        optimizer = build_optimizer(parallel, lr=3e-3)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            for master in parallel.parameters():
+                holder = parallel.master_weights.copy_of.get(id(master), master)
+                holder.grad = torch.randn(master.shape, generator=gen).mul_(0.1).to(holder.dtype)
+            master_update.clip_and_update(parallel.master_weights, optimizer, 0.5, update=update)
+        return parallel, optimizer
+
+    kernel, optimizer = train(master_update.kernel_update)
+    reference, _ = train(master_update._adamw)
+    for (name, got), want in zip(kernel.named_parameters(), reference.parameters()):
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), name
+    kinds = {(index, id(param) in kernel.master_weights.copy_of)
+             for index, group in enumerate(optimizer.param_groups) for param in group["params"]}
+    chunks = sum(-(-len(group["params"]) // master_update.CHUNK) for group in optimizer.param_groups)
+    assert len(launches) == 3 * len(kinds) < 3 * chunks, (launches, kinds, chunks)
+    assert sum(launches) == 3 * sum(len(group["params"]) for group in optimizer.param_groups)
+
+
+def test_kernel_update_leaves_int8_moments_to_the_compiled_update(monkeypatch):
+    """int8 moments (codes and block scales) are not the kernel's: `kernel_update` hands them to the
+    compiled `_adamw`, and `whole_groups` leaves their chunks as they are."""
+    handed = []
+    monkeypatch.setattr(master_update, "compiled_update", lambda: lambda *args: handed.append(args))
+    param = torch.randn(4, 8)
+    codes = torch.zeros(4, 8, dtype=torch.uint8)
+    scales = [(torch.zeros(4, 1), torch.zeros(4, 1))]
+    master_update.kernel_update([param], [param.bfloat16()], [codes], [codes.clone()], [torch.tensor(0.0)],
+                                [None], torch.tensor(1e-3), torch.tensor(1.0), 0.9, 0.95, 1e-8, 0.0, scales,
+                                (torch.zeros(256), torch.zeros(256)))
+    assert len(handed) == 1
+    state = {"exp_avg": codes, "exp_avg_sq": codes, "step": torch.tensor(0.0)}
+    lr = torch.tensor(1e-3)
+    calls = [([(param, param.bfloat16(), state, None)], ("a",), lr, ()) for _ in range(2)]
+    assert len(master_update.whole_groups(calls)) == 2
