@@ -59,6 +59,7 @@ def test_bench_writes_a_valid_record(tmp_path, capsys):
 
 def test_profile_writes_a_trace_and_top_kernels(tmp_path, capsys):
     record = _bench(tmp_path, "--profile", str(tmp_path / "prof"), "--profile-steps", "1")
+    assert {"profile", "profile_read", "trace"} <= set(record["steps"]["phases_s"])
     trace = json.loads((tmp_path / "prof" / "trace_rank0.json").read_text())
     assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
     assert record["trace"].endswith("trace_rank0.json")
@@ -311,3 +312,69 @@ def test_update_graphs_counts_what_the_fused_update_compiles():
     assert large["calls"] * 16 >= params and small["calls"] * 2 >= params > (small["calls"] - 2) * 2
     assert large["parameters_traced"] <= 16 * large["graphs"] and small["parameters_traced"] <= 2 * small["graphs"]
     assert small["parameters_traced"] < large["parameters_traced"] <= params
+
+
+class _RawEvent:
+    """One of the profiler's raw (kineto) events, as `profiling._device_kernels` reads it."""
+
+    def __init__(self, name, start_ns, end_ns, on_gpu=True, annotation=False):
+        from torch.autograd import DeviceType
+
+        self._name, self._span, self._annotation = name, (start_ns, end_ns), annotation
+        self._device = DeviceType.CUDA if on_gpu else DeviceType.CPU
+
+    def name(self):
+        return self._name
+
+    def start_ns(self):
+        return self._span[0]
+
+    def end_ns(self):
+        return self._span[1]
+
+    def device_type(self):
+        return self._device
+
+    def is_user_annotation(self):
+        return self._annotation
+
+
+def test_a_gpu_profile_is_read_from_its_raw_events():
+    """On a GPU the kernels' tally and the busy time come from the profiler's raw events (no CPU op
+    tree: minutes for the starter's window): per kernel name its calls and summed durations, largest
+    first; CPU ops and annotated ranges (which span other kernels) left out; overlaps counted once."""
+    from types import SimpleNamespace
+
+    from onenode.profiling import self_times, time_split
+
+    events = [_RawEvent("gemm", 0, 4000), _RawEvent("gemm", 10000, 12000), _RawEvent("add", 3000, 5000),
+              _RawEvent("ncclKernel_AllReduce", 4500, 9000), _RawEvent("aten::mm", 0, 20000, on_gpu=False),
+              _RawEvent("Optimizer.step#AdamW.step", 0, 12000, annotation=True)]
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
+    cuda = torch.device("cuda")
+    assert self_times(prof, cuda) == [("gemm", 2, pytest.approx(6e-6)),
+                                      ("ncclKernel_AllReduce", 1, pytest.approx(4.5e-6)),
+                                      ("add", 1, pytest.approx(2e-6))]
+    split = time_split(prof, cuda)
+    assert split == pytest.approx({"busy_s": 11e-6, "compute_s": 7e-6, "comm_s": 4.5e-6, "exposed_comm_s": 4e-6})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's profile")
+def test_the_raw_events_tally_the_kernels_as_key_averages_does():
+    """On a GPU: the raw events' tally (`self_times`) is torch's `key_averages` for the kernels."""
+    from torch.autograd import DeviceType
+
+    from onenode.profiling import profiled, self_times
+
+    device = torch.device("cuda")
+    x = torch.randn(512, 512, device=device)
+    with profiled(device) as prof:
+        for _ in range(3):
+            x = (x @ x).relu_() / 512
+        torch.cuda.synchronize()
+    raw = {name: (calls, seconds) for name, calls, seconds in self_times(prof, device)}
+    averaged = {e.key: (e.count, e.self_device_time_total / 1e6) for e in prof.key_averages()
+                if e.device_type == DeviceType.CUDA and not e.is_user_annotation and e.self_device_time_total > 0}
+    assert raw.keys() == averaged.keys() and raw
+    for name, (calls, seconds) in raw.items():
+        assert calls == averaged[name][0] and seconds == pytest.approx(averaged[name][1], rel=1e-3, abs=2e-6), name

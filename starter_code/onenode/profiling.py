@@ -43,15 +43,16 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _on_device(event) -> bool:
-    """A kernel or copy on the GPU. Ranges the code annotates (the optimizer's
-    `Optimizer.step#AdamW.step`) are mirrored on the GPU's timeline spanning their kernels: counted
-    as kernels they would count those kernels' time twice and cover the idle gaps between them."""
-    return event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
-
-
-def _device_kernels(prof) -> list:
-    return [e for e in prof.events() if _on_device(e)]
+def _device_kernels(prof) -> list[tuple[str, float, float]]:
+    """(name, start, end in microseconds) of every kernel and copy on the GPU, read from the
+    profiler's raw events: `prof.events()` and `key_averages()` first build a Python tree of every
+    CPU op too (the unpatched starter's profiled window, two steps of 47,375 kernels each, took 110 s
+    to read and write out on one H200: benchmarks/results/2026-12-04-h200-first-number/). Ranges the
+    code annotates (the optimizer's `Optimizer.step#AdamW.step`) are mirrored on the GPU's timeline
+    spanning their kernels: counted as kernels they would count those kernels' time twice and cover
+    the idle gaps between them."""
+    return [(e.name(), e.start_ns() / 1e3, e.end_ns() / 1e3) for e in prof.profiler.kineto_results.events()
+            if e.device_type() == DeviceType.CUDA and not e.is_user_annotation()]
 
 
 def time_split(prof, device: torch.device) -> dict[str, float]:
@@ -62,15 +63,15 @@ def time_split(prof, device: torch.device) -> dict[str, float]:
     the top-level collective ops against the whole window (gloo blocks the calling thread, so
     nothing overlaps).
     """
-    events = prof.events()
     if device.type == "cuda":
         kernels = _device_kernels(prof)
-        comm = [(e.time_range.start, e.time_range.end) for e in kernels if COLLECTIVE.search(e.name)]
-        compute = [(e.time_range.start, e.time_range.end) for e in kernels if not COLLECTIVE.search(e.name)]
+        comm = [(start, end) for name, start, end in kernels if COLLECTIVE.search(name)]
+        compute = [(start, end) for name, start, end in kernels if not COLLECTIVE.search(name)]
         busy = union_us(comm + compute)
         comm_us, compute_us = union_us(comm), union_us(compute)
         exposed_us = busy - compute_us
     else:
+        events = prof.events()
         spans = [(e.time_range.start, e.time_range.end) for e in events if e.time_range.end > e.time_range.start]
         comm = [(e.time_range.start, e.time_range.end) for e in events if COLLECTIVE.search(e.name)]
         busy = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0
@@ -81,11 +82,19 @@ def time_split(prof, device: torch.device) -> dict[str, float]:
 
 
 def self_times(prof, device: torch.device) -> list[tuple[str, int, float]]:
-    """(name, calls, self seconds) of every kernel (CUDA) or op (CPU) in the window, largest first:
-    what `top_kernels` and `kernel_mix` read (grouping a GPU profile's events takes a while: once)."""
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    rows = [(e.key, e.count, getattr(e, key) / 1e6) for e in prof.key_averages()
-            if (_on_device(e) if device.type == "cuda" else e.device_type != DeviceType.CUDA) and getattr(e, key) > 0]
+    """(name, calls, self seconds) of every kernel (CUDA: a kernel's self time is its duration) or
+    op (CPU: its time less its children's, from `key_averages`) in the window, largest first: what
+    `top_kernels` and `kernel_mix` read."""
+    if device.type == "cuda":
+        totals: dict[str, list] = {}
+        for name, start, end in _device_kernels(prof):
+            entry = totals.setdefault(name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += (end - start) / 1e6
+        rows = [(name, calls, seconds) for name, (calls, seconds) in totals.items() if seconds > 0]
+    else:
+        rows = [(e.key, e.count, e.self_cpu_time_total / 1e6) for e in prof.key_averages()
+                if e.device_type != DeviceType.CUDA and e.self_cpu_time_total > 0]
     return sorted(rows, key=lambda row: row[2], reverse=True)
 
 

@@ -148,13 +148,15 @@ def run(args) -> dict:
                 step()
             sync(device)
             window = time.perf_counter() - start
+        mark = phase_done("profile", mark)
         split = {"window_s": window, **time_split(prof, device)}
         times = self_times(prof, device)
         kernels, mix = top_kernels(times, limit=args.top_kernels), kernel_mix(times)
         launched = launches(times, args.profile_steps)
+        mark = phase_done("profile_read", mark)
         if args.profile:
             trace = str(write_trace(prof, args.profile, rank))
-        mark = phase_done("profile", mark)
+            mark = phase_done("trace", mark)
 
     median = statistics.median(step_times)
     report = model_flops(config, recipe.train.seq_len, layout.micro_batch)
@@ -220,9 +222,10 @@ def run(args) -> dict:
         "steps": {"warmup": args.warmup, "measured": args.steps, "step_times_s": step_times,
                   "warmup_step_times_s": warmup_times,
                   "losses": losses, "profiled": args.profile_steps if split else 0,
-                  # wall seconds: assemble (model built, laid out), warmup, measured, profile (window, analysis,
-                  # trace written), ceiling (--measure-ceiling), total (from the bench's start to its record;
-                  # the interpreter's start and imports come before)
+                  # wall seconds: assemble (model built, laid out), warmup, measured, profile (the profiled
+                  # window), profile_read (its kernels tallied), trace (written: --profile), ceiling
+                  # (--measure-ceiling), total (from the bench's start to its record; the interpreter's
+                  # start and imports come before)
                   "phases_s": phases},
         "results": results,
         "flops": {"per_kind_forward": report.per_kind(), "causal_attention": True},
