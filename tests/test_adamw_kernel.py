@@ -32,6 +32,7 @@ def interpreter(monkeypatch):
     adamw_kernel._kernel.cache_clear()
     adamw_kernel._cache.clear()
     yield
+    monkeypatch.undo()
     adamw_kernel._kernel.cache_clear()
     adamw_kernel._cache.clear()
 
@@ -158,3 +159,32 @@ def test_kernel_update_leaves_int8_moments_to_the_compiled_update(monkeypatch):
     lr = torch.tensor(1e-3)
     calls = [([(param, param.bfloat16(), state, None)], ("a",), lr, ()) for _ in range(2)]
     assert len(master_update.whole_groups(calls)) == 2
+
+
+def test_a_gpu_launcher_binds_the_kernels_arguments(monkeypatch):
+    """The arguments `adamw` launches the kernel with, bound as a GPU's launcher binds them
+    (Triton's binder for an H100/H200 target; the interpreter skips it): each argument takes a
+    type Triton can specialize. An argument named `params` failed every GPU launch."""
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend
+        from triton.runtime.jit import create_function_from_signature
+    except ImportError as e:
+        pytest.skip(f"this Triton's launcher is laid out otherwise: {e}")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    adamw_kernel._kernel.cache_clear()
+    kernel = adamw_kernel._kernel()
+    binder = create_function_from_signature(kernel.signature, kernel.params, CUDABackend(GPUTarget("cuda", 90, 32)))
+    bound = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            return lambda *args, **options: bound.append(binder(*args, **options))
+
+    monkeypatch.setattr(adamw_kernel, "_kernel", lambda: Launcher())
+    members = _members(torch.Generator().manual_seed(2), torch.bfloat16)
+    _run(adamw_kernel.adamw, members)
+    assert len(bound) == 2  # two kinds: bf16 gradients with copies, float32 without
+    for _, specialization, options in bound:
+        assert options["num_warps"] == 8 and len(specialization) == len(kernel.params)
+        assert ("constexpr", adamw_kernel.BLOCK) in specialization

@@ -56,13 +56,15 @@ def supports(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp
 @functools.cache
 def _kernel():
     """The Triton kernel, made on first use (so the kit imports where Triton does not, and a test can
-    turn on Triton's interpreter first)."""
+    turn on Triton's interpreter first). No argument may be named `params`, `specialization` or
+    `options`: Triton 3.6's launcher binds its own locals by those names (a `params` argument fails
+    every launch with "failed to specialize argument of type: dict")."""
     import triton
     import triton.language as tl
 
     @triton.jit
     def adamw_blocks(block_tensor, tensor_first_block, offsets, numels, step_sizes, bias2_sqrts,
-                     params, grads, exp_avgs, exp_avg_sqs, copies, lr_ptr, coef_ptr,
+                     masters, grads, exp_avgs, exp_avg_sqs, copies, lr_ptr, coef_ptr,
                      one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
                      P_ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, M_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
                      C_ALIGN: tl.constexpr, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
@@ -80,7 +82,7 @@ def _kernel():
 
         lr = tl.load(lr_ptr)
         g = tl.load(grads + g_at, mask=mask).to(tl.float32) * tl.load(coef_ptr)
-        p = tl.load(params + p_at, mask=mask)
+        p = tl.load(masters + p_at, mask=mask)
         m = tl.load(exp_avgs + m_at, mask=mask).to(tl.float32)
         v = tl.load(exp_avg_sqs + v_at, mask=mask).to(tl.float32)
         p = p * (1 - lr * weight_decay)
@@ -88,7 +90,7 @@ def _kernel():
         v = v * beta2 + one_minus_beta2 * g * g
         denom = tl.sqrt(v) / tl.load(bias2_sqrts + t) + eps
         p = p - tl.load(step_sizes + t) * m / denom
-        tl.store(params + p_at, p, mask=mask)
+        tl.store(masters + p_at, p, mask=mask)
         tl.store(exp_avgs + m_at, m.to(exp_avgs.dtype.element_ty), mask=mask)
         tl.store(exp_avg_sqs + v_at, v.to(exp_avg_sqs.dtype.element_ty), mask=mask)
         if HAS_COPY:
