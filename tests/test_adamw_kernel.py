@@ -8,6 +8,8 @@ master's rounding; on a GPU it must be that rounding exactly."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -22,19 +24,25 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
                                                                  reason="the compiled kernel runs on a GPU"))]
 
 
+def _decorated_again() -> None:
+    """`adamw_triton` imported again: `triton.jit` reads TRITON_INTERPRET when it decorates."""
+    from onenode.train import adamw_triton
+
+    importlib.reload(adamw_triton)
+    adamw_kernel._cache.clear()
+
+
 @pytest.fixture(autouse=True)
 def interpreter(monkeypatch):
-    """Triton's interpreter for the kernel where no GPU is, made again with it (and after the test,
-    without); blocks of 64 elements, so a tensor spans several."""
+    """Triton's interpreter for the kernel where no GPU is (and after the test, none); blocks of
+    64 elements, so a tensor spans several."""
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(adamw_kernel, "BLOCK", 64)
-    adamw_kernel._kernel.cache_clear()
-    adamw_kernel._cache.clear()
+    _decorated_again()
     yield
     monkeypatch.undo()
-    adamw_kernel._kernel.cache_clear()
-    adamw_kernel._cache.clear()
+    _decorated_again()
 
 
 def _assert_copy_holds(copy: torch.Tensor, master: torch.Tensor) -> None:
@@ -172,7 +180,7 @@ def test_a_gpu_launcher_binds_the_kernels_arguments(monkeypatch):
     except ImportError as e:
         pytest.skip(f"this Triton's launcher is laid out otherwise: {e}")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    adamw_kernel._kernel.cache_clear()
+    _decorated_again()
     kernel = adamw_kernel._kernel()
     binder = create_function_from_signature(kernel.signature, kernel.params, CUDABackend(GPUTarget("cuda", 90, 32)))
     bound = []

@@ -24,8 +24,6 @@ tests run this kernel in Triton's interpreter (`TRITON_INTERPRET=1`) against `_a
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 BLOCK = 4096  # elements a program updates: 16 a thread at 8 warps, enough to hide the memory latency
@@ -53,51 +51,11 @@ def supports(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp
             and all(t.is_contiguous() for t in tensors))
 
 
-@functools.cache
 def _kernel():
-    """The Triton kernel, made on first use (so the kit imports where Triton does not, and a test can
-    turn on Triton's interpreter first). No argument may be named `params`, `specialization` or
-    `options`: Triton 3.6's launcher binds its own locals by those names (a `params` argument fails
-    every launch with "failed to specialize argument of type: dict")."""
-    import triton
-    import triton.language as tl
+    """The Triton kernel (`adamw_triton`), imported on first use: the kit imports where Triton does not."""
+    from . import adamw_triton
 
-    @triton.jit
-    def adamw_blocks(block_tensor, tensor_first_block, offsets, numels, step_sizes, bias2_sqrts,
-                     masters, grads, exp_avgs, exp_avg_sqs, copies, lr_ptr, coef_ptr,
-                     one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
-                     P_ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, M_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
-                     C_ALIGN: tl.constexpr, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        t = tl.load(block_tensor + pid).to(tl.int64)
-        start = (pid - tl.load(tensor_first_block + t)).to(tl.int64) * BLOCK
-        numel = tl.load(numels + t)
-        index = start + tl.arange(0, BLOCK)
-        mask = index < numel
-        row = offsets + t * 5  # _ROLES
-        p_at = tl.multiple_of(tl.load(row), P_ALIGN) + index
-        g_at = tl.multiple_of(tl.load(row + 1), G_ALIGN) + index
-        m_at = tl.multiple_of(tl.load(row + 2), M_ALIGN) + index
-        v_at = tl.multiple_of(tl.load(row + 3), V_ALIGN) + index
-
-        lr = tl.load(lr_ptr)
-        g = tl.load(grads + g_at, mask=mask).to(tl.float32) * tl.load(coef_ptr)
-        p = tl.load(masters + p_at, mask=mask)
-        m = tl.load(exp_avgs + m_at, mask=mask).to(tl.float32)
-        v = tl.load(exp_avg_sqs + v_at, mask=mask).to(tl.float32)
-        p = p * (1 - lr * weight_decay)
-        m = m + one_minus_beta1 * (g - m)  # torch's lerp for a weight below 0.5
-        v = v * beta2 + one_minus_beta2 * g * g
-        denom = tl.sqrt(v) / tl.load(bias2_sqrts + t) + eps
-        p = p - tl.load(step_sizes + t) * m / denom
-        tl.store(masters + p_at, p, mask=mask)
-        tl.store(exp_avgs + m_at, m.to(exp_avgs.dtype.element_ty), mask=mask)
-        tl.store(exp_avg_sqs + v_at, v.to(exp_avg_sqs.dtype.element_ty), mask=mask)
-        if HAS_COPY:
-            c_at = tl.multiple_of(tl.load(row + 4), C_ALIGN) + index
-            tl.store(copies + c_at, p.to(copies.dtype.element_ty), mask=mask)
-
-    return adamw_blocks
+    return adamw_triton.adamw_blocks
 
 
 def adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -136,8 +94,9 @@ def _launch(columns: list, step_sizes: torch.Tensor, bias2_sqrts: torch.Tensor, 
 
 class _Tables:
     """The device tables of one launch: each block's tensor, and each tensor's first block, numel and
-    element offsets from its role's base (the role's first tensor); `align`: per role, the power of
-    two (at most 16) that divides every offset, which the kernel may assume (vector loads)."""
+    element offsets from its role's base (the role's first tensor) in units of `align`: per role, the
+    power of two (at most 16) that divides every offset, which the kernel multiplies back (so the
+    compiler knows the addresses aligned: vector loads)."""
 
     def __init__(self, columns: list, device: torch.device):
         rows = [column if column is not None else columns[0] for column in columns]
@@ -152,6 +111,7 @@ class _Tables:
                 row.append(distance // tensor.element_size())
             offsets.append(row)
         self.align = tuple(_alignment([row[role] for row in offsets]) for role in range(_ROLES))
+        offsets = [[offset // align for offset, align in zip(row, self.align)] for row in offsets]
         numels = [t.numel() for t in rows[0]]
         blocks = [-(-n // BLOCK) for n in numels]
         first = [0]
