@@ -260,8 +260,11 @@ def test_the_bench_says_what_its_first_step_compiles_on_a_gpu(monkeypatch):
     # the fused update's Triton kernel compiles in seconds: nothing to say, unless the layers compile
     monkeypatch.setattr(adamw_kernel, "available", lambda: None)
     assert note(**{"train.precision": "bf16"}) == (None, None)
-    on_gpu, _ = note(0, **{"train.precision": "bf16", "train.compile": "blocks"})
+    on_gpu, _ = note(0, **{"train.precision": "bf16", "train.compile": "blocks",
+                           "train.fused_update_kernel": "triton"})
     assert "compiles the layers with torch.compile" in on_gpu and "--warmup 0 measures it" in on_gpu
+    on_gpu, _ = note(**{"train.precision": "bf16", "train.compile": "blocks"})  # auto: inductor with the layers
+    assert "the fused optimizer update and the layers" in on_gpu
     on_gpu, _ = note(**{"train.precision": "bf16", "optimizer.moments": "int8"})  # int8: inductor's update
     assert "compiles the fused optimizer update with torch.compile" in on_gpu
     # without Triton the update is inductor's: a graph per distinct chunk, a minute or more cold

@@ -69,7 +69,8 @@ def compile_note(training, warmup: int) -> str | None:
     t = training.recipe.train
     fused = t.fused_update and master_update.applies(training.parallel.master_weights, training.optimizer,
                                                      training.layout.accumulation)
-    compiled = (["the fused optimizer update"] * (fused and master_update.compiled_on_gpu(training.optimizer))
+    compiled_update = fused and master_update.compiled_on_gpu(training.optimizer, t.update_kernel())
+    compiled = (["the fused optimizer update"] * compiled_update
                 + ["the layers"] * (t.compile != "off"))
     if training.device.type != "cuda" or not compiled:
         return None
@@ -215,7 +216,7 @@ def run(args) -> dict:
                    "activation_checkpointing": t.activation_checkpointing, "compile": t.compile,
                    "cuda_graphs": t.cuda_graphs, "cuda_graph_note": training.cuda_graph_note(),
                    "float8": training.float8 and float8_summary(training.float8),
-                   "unfused_update": not t.fused_update, "dtype": t.precision,
+                   "unfused_update": not t.fused_update, "update_kernel": t.update_kernel(), "dtype": t.precision,
                    "optimizer": recipe.optimizer.name, "lr": recipe.optimizer.lr, "seed": recipe.seed,
                    "mamba_kernel": config.mamba_kernel, "module": _qualified_name(training.parallel.model)},
         "env": environment(world) | {"cuda": torch.version.cuda, "device_type": device.type},

@@ -28,16 +28,10 @@ def store(pointer, value, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def update(masters, grads, exp_avgs, exp_avg_sqs, copies, row, index, mask, lr, coef, step_size, bias2_sqrt,
-           one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, P_ALIGN: tl.constexpr,
-           G_ALIGN: tl.constexpr, M_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr, C_ALIGN: tl.constexpr,
-           HAS_COPY: tl.constexpr, MASKED: tl.constexpr):
-    # each offset is stored in units of its role's alignment: times a constant, the compiler
-    # knows the addresses aligned and loads vectors (a hint on a loaded value it would not keep)
-    p_at = masters + tl.load(row) * P_ALIGN + index
-    m_at = exp_avgs + tl.load(row + 2) * M_ALIGN + index
-    v_at = exp_avg_sqs + tl.load(row + 3) * V_ALIGN + index
-    g = load(grads + tl.load(row + 1) * G_ALIGN + index, mask, MASKED).to(tl.float32) * coef
+def update(p_at, g_at, m_at, v_at, c_at, mask, lr, coef, step_size, bias2_sqrt, one_minus_beta1, beta2,
+           one_minus_beta2, eps, weight_decay, HAS_COPY: tl.constexpr, MASKED: tl.constexpr):
+    """One block: the `*_at` pointers are its elements' (a scalar base plus 32-bit offsets)."""
+    g = load(g_at, mask, MASKED).to(tl.float32) * coef
     p = load(p_at, mask, MASKED)
     m = load(m_at, mask, MASKED).to(tl.float32)
     v = load(v_at, mask, MASKED).to(tl.float32)
@@ -50,7 +44,7 @@ def update(masters, grads, exp_avgs, exp_avg_sqs, copies, row, index, mask, lr, 
     store(m_at, m, mask, MASKED)
     store(v_at, v, mask, MASKED)
     if HAS_COPY:
-        store(copies + tl.load(row + 4) * C_ALIGN + index, p, mask, MASKED)
+        store(c_at, p, mask, MASKED)
 
 
 @triton.jit
@@ -62,16 +56,21 @@ def adamw_blocks(block_tensor, tensor_first_block, offsets, numels, step_sizes, 
     pid = tl.program_id(0)
     t = tl.load(block_tensor + pid).to(tl.int64)
     start = (pid - tl.load(tensor_first_block + t)).to(tl.int64) * BLOCK
-    numel = tl.load(numels + t)
-    index = start + tl.arange(0, BLOCK)
+    remaining = tl.load(numels + t) - start
     row = offsets + t * 5  # _ROLES
+    # each offset is stored in units of its role's alignment: times a constant (and the block's start,
+    # a multiple of BLOCK), the compiler knows each base aligned and loads vectors
+    index = tl.arange(0, BLOCK)
+    p_at = masters + (tl.load(row) * P_ALIGN + start) + index
+    g_at = grads + (tl.load(row + 1) * G_ALIGN + start) + index
+    m_at = exp_avgs + (tl.load(row + 2) * M_ALIGN + start) + index
+    v_at = exp_avg_sqs + (tl.load(row + 3) * V_ALIGN + start) + index
+    c_at = copies + (tl.load(row + 4) * C_ALIGN + start) + index  # without copies: the masters' (never written)
     lr, coef = tl.load(lr_ptr), tl.load(coef_ptr)
     step_size, bias2_sqrt = tl.load(step_sizes + t), tl.load(bias2_sqrts + t)
-    if start + BLOCK <= numel:  # a whole block: no mask (a mask of unknown bounds stops vector loads)
-        update(masters, grads, exp_avgs, exp_avg_sqs, copies, row, index, index < numel, lr, coef, step_size,
-               bias2_sqrt, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, P_ALIGN, G_ALIGN,
-               M_ALIGN, V_ALIGN, C_ALIGN, HAS_COPY, False)
+    if remaining >= BLOCK:  # a whole block: no mask (a mask of unknown bounds stops vector loads)
+        update(p_at, g_at, m_at, v_at, c_at, index < remaining, lr, coef, step_size, bias2_sqrt, one_minus_beta1,
+               beta2, one_minus_beta2, eps, weight_decay, HAS_COPY, False)
     else:  # a tensor's last block
-        update(masters, grads, exp_avgs, exp_avg_sqs, copies, row, index, index < numel, lr, coef, step_size,
-               bias2_sqrt, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, P_ALIGN, G_ALIGN,
-               M_ALIGN, V_ALIGN, C_ALIGN, HAS_COPY, True)
+        update(p_at, g_at, m_at, v_at, c_at, index < remaining, lr, coef, step_size, bias2_sqrt, one_minus_beta1,
+               beta2, one_minus_beta2, eps, weight_decay, HAS_COPY, True)

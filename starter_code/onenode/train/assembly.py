@@ -138,7 +138,7 @@ class TrainingRun:
         out = train_step(self.parallel, self.optimizer, input_ids, labels, t.grad_clip,
                          accumulation_steps=self.layout.accumulation,
                          aux_loss_fn=self.balancer.pop_aux_loss if coef > 0 else None, aux_loss_coef=coef,
-                         fused_update=t.fused_update)
+                         fused_update=t.fused_update, update_kernel=t.update_kernel())
         return {**out, **self.balancer.finish_step(self.recipe.moe.bias_update_rate, group=self.dp_group)}
 
     def inner_state_dict(self) -> dict:

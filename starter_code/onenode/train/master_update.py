@@ -229,19 +229,22 @@ def compiled_update(backend="inductor", fullgraph: bool = False):
     return torch.compile(_adamw, dynamic=False, backend=backend, fullgraph=fullgraph)
 
 
-def chunk_update(device: torch.device):
+def chunk_update(device: torch.device, kernel: str = "triton"):
     """The function a chunk's update runs on `device`: on a GPU `kernel_update` (`adamw_kernel`'s
-    Triton kernel, `_adamw` compiled where Triton is missing), on a CPU `_adamw` itself
-    (`offload.py` calls it on the chunks it copies to the device)."""
+    Triton kernel) where `kernel` is triton and Triton imports, else `_adamw` compiled by inductor
+    (the recipe's `train.fused_update_kernel`); on a CPU `_adamw` itself (`offload.py` calls it on
+    the chunks it copies to the device)."""
     if device.type != "cuda":
         return _adamw
-    return kernel_update if adamw_kernel.available() is None else compiled_update()
+    return kernel_update if kernel == "triton" and adamw_kernel.available() is None else compiled_update()
 
 
-def compiled_on_gpu(optimizer: torch.optim.Optimizer) -> bool:
+def compiled_on_gpu(optimizer: torch.optim.Optimizer, kernel: str = "triton") -> bool:
     """Whether this optimizer's fused update is `_adamw` compiled by inductor on a GPU (a graph per
-    distinct chunk: a minute or more cold), not `adamw_kernel`'s: int8 moments, or no Triton."""
-    return getattr(optimizer, "moments_dtype", None) == torch.uint8 or adamw_kernel.available() is not None
+    distinct chunk: a minute or more cold), not `adamw_kernel`'s: `kernel` inductor, int8 moments,
+    or no Triton."""
+    return (kernel != "triton" or getattr(optimizer, "moments_dtype", None) == torch.uint8
+            or adamw_kernel.available() is not None)
 
 
 def kernel_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -329,11 +332,11 @@ def graphs_allowed(calls: list[tuple]) -> contextlib.AbstractContextManager:
 
 @torch.no_grad()
 def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_norm: float,
-                    update=None) -> torch.Tensor:
+                    update=None, kernel: str = "triton") -> torch.Tensor:
     """Clip the step's gradients (on the bf16 copies, or on the masters that have none) to a global
     L2 norm and take `optimizer`'s AdamW step, writing the copies; the norm before clipping, a 0-d
     float32 tensor (no host sync, as `step.clip_grad_norm_`). `update` is the chunk update to call
-    (default: `_adamw`, compiled on a GPU)."""
+    (default: `chunk_update` of the gradients' device and `kernel`)."""
     calls, grads = _calls(optimizer, lambda param: weights.copy_of.get(id(param)))
     if not grads:
         return torch.zeros(())
@@ -341,6 +344,8 @@ def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_no
     coef = torch.ones_like(total_norm)
     if max_norm and max_norm > 0:
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    if update is None:
+        update = chunk_update(grads[0].device, kernel)
     getattr(optimizer, "update_chunks", _update)(calls, coef, update)
     weights.drop_copy_grads()
     weights.copies_written()

@@ -164,6 +164,7 @@ def train_step(
     aux_loss_fn: Callable[[], torch.Tensor | None] | None = None,
     aux_loss_coef: float = 0.0,
     fused_update: bool = True,
+    update_kernel: str = "triton",
 ) -> dict:
     """One optimizer step on this rank's batch.
 
@@ -173,7 +174,8 @@ def train_step(
     own microbatches instead. `aux_loss_fn` returns the auxiliary
     loss of the forward just run (`RouterBalancer.pop_aux_loss`); the objective adds it times
     `aux_loss_coef`. Where `train/master_update.py` applies (one process in bf16, one micro-batch,
-    AdamW), the clip and the update are its fused pass, unless `fused_update` is False: then the
+    AdamW), the clip and the update are its fused pass (on a GPU by `update_kernel`: triton or
+    inductor, `master_update.chunk_update`), unless `fused_update` is False: then the
     masters take float32 gradients and the optimizer steps them. Returns this rank's loss (mean
     over micro-batches; None on pipeline ranks without the last stage), the global gradient norm
     before clipping and, with `aux_loss_fn`, `aux_loss`.
@@ -194,7 +196,7 @@ def train_step(
         loss, aux = _forward_backward(parallel.model, input_ids, labels, accumulation_steps, aux_loss_fn,
                                       aux_loss_coef)
     if fused:
-        grad_norm = master_update.clip_and_update(weights, optimizer, grad_clip)
+        grad_norm = master_update.clip_and_update(weights, optimizer, grad_clip, kernel=update_kernel)
     else:
         grad_norm = clip_grad_norm_(parallel.parameters(), grad_clip, pp_mesh=parallel.pp_mesh,
                                     ep_mesh=parallel.ep_mesh)
