@@ -15,6 +15,11 @@ applies to plain `torch.optim.AdamW` and to steps of one micro-batch (several ad
 the masters). The first step makes the state as torch's AdamW would, so it is fused too: what it
 compiles falls in a run's first step, which benchmarks leave out as warm-up.
 
+On a GPU the update is one of two (`chunk_update`, the recipe's `train.fused_update_kernel`):
+`adamw_kernel`'s Triton kernel, one launch per kind of parameter, compiled in seconds whatever the
+sizes; or `_adamw` compiled by inductor, below. A cold inductor compile of a1-1gpu's chunks took
+about 100 s of the first step on one H200, the Triton kernel 8 (benchmarks/results/2026-12-04-h200-first-number/).
+
 The compiled update takes the parameters in chunks of at most `CHUNK`, so its graphs stay the size
 of one chunk whatever the model's parameter count. The update is elementwise, so each tensor goes in
 flattened and chunks are sorted by dtype and size: parameters of one size share a graph whatever
