@@ -51,8 +51,12 @@ def _device_kernels(prof) -> list[tuple[str, float, float]]:
     code annotates (the optimizer's `Optimizer.step#AdamW.step`) are mirrored on the GPU's timeline
     spanning their kernels: counted as kernels they would count those kernels' time twice and cover
     the idle gaps between them."""
-    return [(e.name(), e.start_ns() / 1e3, e.end_ns() / 1e3) for e in prof.profiler.kineto_results.events()
-            if e.device_type() == DeviceType.CUDA and not e.is_user_annotation()]
+    kernels = getattr(prof, "_onenode_device_kernels", None)  # read once: `time_split` and `self_times` both ask
+    if kernels is None:
+        kernels = [(e.name(), e.start_ns() / 1e3, e.end_ns() / 1e3) for e in prof.profiler.kineto_results.events()
+                   if e.device_type() == DeviceType.CUDA and not e.is_user_annotation()]
+        prof._onenode_device_kernels = kernels
+    return kernels
 
 
 def time_split(prof, device: torch.device) -> dict[str, float]:
