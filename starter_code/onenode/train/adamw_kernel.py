@@ -32,7 +32,7 @@ import torch
 BLOCK = 1024
 NUM_WARPS = 8
 _ROLES = 5  # the table's columns: master, gradient, exp_avg, exp_avg_sq, copy (an element offset each)
-_TABLES_KEPT = 8  # tables of distinct addresses kept on the device (an eager step's few layouts of gradients)
+_TABLES_KEPT = 16  # on the device: block maps (one a kind) and offsets (an eager step's few gradient layouts)
 
 
 def available() -> str | None:
@@ -88,22 +88,33 @@ def _launch(columns: list, step_sizes: torch.Tensor, bias2_sqrts: torch.Tensor, 
     """One launch over the tensors of one kind: `columns` = masters, gradients, exp_avgs,
     exp_avg_sqs, copies (None: no copies)."""
     bases = [column[0] if column else None for column in columns]
-    tables = _tables(columns)
+    blocks, offsets = _tables(columns)
     has_copy = columns[4] is not None
-    _kernel()[(tables.blocks,)](
-        tables.block_tensor, tables.first_block, tables.offsets, tables.numels, step_sizes, bias2_sqrts,
+    _kernel()[(blocks.count,)](
+        blocks.block_tensor, blocks.first_block, offsets.table, blocks.numels, step_sizes, bias2_sqrts,
         *bases[:4], bases[4] if has_copy else bases[0], lr, coef, *hyper,
-        *tables.align, HAS_COPY=has_copy, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        *offsets.align, HAS_COPY=has_copy, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
-class _Tables:
-    """The device tables of one launch: each block's tensor, and each tensor's first block, numel and
-    element offsets from its role's base (the role's first tensor) in units of `align`: per role, the
-    power of two (at most 16) that divides every offset, which the kernel multiplies back (so the
-    compiler knows the addresses aligned: vector loads)."""
+class _Blocks:
+    """Which tensor each block of a launch updates, and each tensor's first block and size: they
+    follow the sizes alone, so a run makes them once per kind. Made on the host (a GPU's
+    `repeat_interleave` is a cumulative sum, which deterministic runs may refuse) and copied."""
 
-    def __init__(self, columns: list, device: torch.device):
-        rows = [column if column is not None else columns[0] for column in columns]
+    def __init__(self, numels: tuple[int, ...], device: torch.device):
+        blocks = torch.tensor([-(-n // BLOCK) for n in numels])
+        self.count = int(blocks.sum())
+        self.first_block = _to((blocks.cumsum(0) - blocks).to(torch.int32), device)
+        self.numels = _to(torch.tensor(numels, dtype=torch.int64), device)
+        self.block_tensor = _to(torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), blocks), device)
+
+
+class _Offsets:
+    """Each tensor's element offsets from its role's base (the role's first tensor) in units of
+    `align`: per role, the power of two (at most 16) that divides every offset, which the kernel
+    multiplies back (so the compiler knows the addresses aligned: vector loads)."""
+
+    def __init__(self, rows: list[list[torch.Tensor]], device: torch.device):
         offsets = []
         for tensors in zip(*rows):
             row = []
@@ -116,17 +127,7 @@ class _Tables:
             offsets.append(row)
         self.align = tuple(_alignment([row[role] for row in offsets]) for role in range(_ROLES))
         offsets = [[offset // align for offset, align in zip(row, self.align)] for row in offsets]
-        numels = [t.numel() for t in rows[0]]
-        blocks = [-(-n // BLOCK) for n in numels]
-        first = [0]
-        for count in blocks[:-1]:
-            first.append(first[-1] + count)
-        self.blocks = first[-1] + blocks[-1]
-        self.offsets = _to(torch.tensor(offsets, dtype=torch.int64), device)
-        self.numels = _to(torch.tensor(numels, dtype=torch.int64), device)
-        self.first_block = _to(torch.tensor(first, dtype=torch.int32), device)
-        self.block_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32, device=device),
-                                                    _to(torch.tensor(blocks), device), output_size=self.blocks)
+        self.table = _to(torch.tensor(offsets, dtype=torch.int64), device)
 
 
 def _alignment(offsets: list[int]) -> int:
@@ -144,15 +145,24 @@ def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-_cache: dict[tuple, _Tables] = {}
+_cache: dict[tuple, _Blocks | _Offsets] = {}
 
 
-def _tables(columns: list) -> _Tables:
-    """The tables of these tensors, from the last `_TABLES_KEPT` made where the addresses and sizes
-    are the same."""
-    key = tuple((t.data_ptr(), t.numel()) for column in columns if column is not None for t in column)
-    tables = _cache.pop(key, None) or _Tables(columns, columns[0][0].device)
-    _cache[key] = tables  # the most recent last
+def _cached(key: tuple, make):
+    """`make()`, or what it made for `key` among the last `_TABLES_KEPT` tables."""
+    value = _cache.pop(key, None) or make()
+    _cache[key] = value  # the most recent last
     while len(_cache) > _TABLES_KEPT:
         del _cache[next(iter(_cache))]
-    return tables
+    return value
+
+
+def _tables(columns: list) -> tuple[_Blocks, _Offsets]:
+    """The block map of these tensors' sizes and the offsets of their addresses (`columns` as
+    `_launch`'s; a missing column reads as the masters')."""
+    rows = [column if column is not None else columns[0] for column in columns]
+    device = rows[0][0].device
+    numels = tuple(t.numel() for t in rows[0])
+    addresses = tuple(t.data_ptr() for column in rows for t in column)
+    return (_cached(("blocks", device, numels), lambda: _Blocks(numels, device)),
+            _cached(("offsets", device, numels, addresses), lambda: _Offsets(rows, device)))
