@@ -32,10 +32,11 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
 - `unfused-update`: one process in bf16 without `train/master_update.py`'s fused step (`onenode
   bench --unfused-update`): the gradients cast to float32 on the masters, clipped, torch's fused
   AdamW, the copies cast again at the next forward;
-- `update-chunk --chunk N`: the fused update compiled over chunks of N parameters
-  (`master_update.CHUNK`, 16): smaller chunks repeat more often, so fewer distinct graphs of fewer
-  nodes may compile in a cold first step (on a CPU the tiny model's took 28 s with 4 against 58 s
-  with 16), for more calls a step.
+- `update-chunk --chunk N`: the fused update compiled by inductor (`train.fused_update_kernel:
+  inductor`) over chunks of N parameters (`master_update.CHUNK`, 16): smaller chunks repeat more
+  often, so fewer distinct graphs of fewer nodes compile in a cold first step (one H200, a1-1gpu:
+  71 s with 4 against 103 s with 16, benchmarks/results/2026-12-04-h200-first-number/), for more
+  calls a step.
 
 Probes combine: `fsdp-one-rank one-unit -- ...` applies both.
 
@@ -129,6 +130,7 @@ def main() -> int:
             if args.chunk is None or args.chunk < 1:
                 parser.error("update-chunk needs --chunk N, N >= 1: parameters per compiled update call")
             master_update.CHUNK = args.chunk
+            bench_options += ["--set", "train.fused_update_kernel=inductor"]  # the Triton kernel takes no chunks
         elif not torch.cuda.is_available():
             parser.error("host-syncs counts waits for a CUDA GPU: none is visible here")
         else:
