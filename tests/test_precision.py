@@ -188,7 +188,7 @@ def _train_one_micro_batch(config, fused: bool, steps: int = 4, accumulation_ste
     optimizer = build_optimizer(parallel, lr=3e-3)
     calls = []
     original = master_update.clip_and_update
-    master_update.clip_and_update = lambda *args: calls.append(1) or original(*args)
+    master_update.clip_and_update = lambda *args, **options: calls.append(1) or original(*args, **options)
     try:
         records = [train_step(parallel, optimizer, ids, labels, grad_clip=0.5, accumulation_steps=accumulation_steps,
                               fused_update=fused) for _ in range(steps)]
@@ -445,7 +445,7 @@ def test_the_compiled_fused_update_writes_the_copies(monkeypatch):
     weights = parallel.master_weights
     fused = master_update.clip_and_update
     monkeypatch.setattr(master_update, "clip_and_update",
-                        lambda w, o, m: fused(w, o, m, update=master_update.compiled_update()))
+                        lambda w, o, m, **_: fused(w, o, m, update=master_update.compiled_update()))
     losses = []
     for _ in range(3):
         losses.append(train_step(parallel, optimizer, ids, labels)["loss"])
