@@ -1,4 +1,6 @@
-"""How many graphs the fused update (`train/master_update.py`) compiles for a preset, by chunk size.
+"""How many graphs the fused update (`train/master_update.py`) compiles for a preset, by chunk size,
+where inductor compiles it (`train.fused_update_kernel: inductor`, or auto with compiled layers; the
+Triton kernel of `train/adamw_kernel.py` compiles once per kind of parameter instead).
 
 Run from a kit tree (a patched copy for the solution); nothing is allocated (the meta device):
 
