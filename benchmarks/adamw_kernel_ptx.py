@@ -6,7 +6,7 @@ the vector loads and stores of a whole block (16 bytes each). No GPU needed.
     PYTHONPATH=starter_code python3 benchmarks/adamw_kernel_ptx.py [--block N --warps W ...] [--out F.json]
 
 One row per kind of parameter (the gradient's and moments' dtypes, with or without a bf16 copy) and
-per (block, warps) asked for; the kit's own `BLOCK` and `NUM_WARPS` by default.
+per (block, step, warps) asked for; the kit's own `BLOCK`, `STEP` and `NUM_WARPS` by default.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ KINDS = {  # name: (gradients, moments, copies)
 }
 
 
-def compiled(kind: str, block: int, warps: int, arch: int = 90):
-    """The kernel compiled for `kind` at `block` elements and `warps` warps a program."""
+def compiled(kind: str, block: int, step: int, warps: int, arch: int = 90):
+    """The kernel compiled for `kind`: `block` elements a program, `step` at a time, `warps` warps."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -41,7 +41,7 @@ def compiled(kind: str, block: int, warps: int, arch: int = 90):
                 "coef_ptr": "*fp32"}
     scalars = {name: "fp32" for name in ("one_minus_beta1", "beta2", "one_minus_beta2", "eps", "weight_decay")}
     constants = {"P_ALIGN": 16, "G_ALIGN": 16, "M_ALIGN": 16, "V_ALIGN": 16, "C_ALIGN": 16,
-                 "HAS_COPY": copies is not None, "BLOCK": block}
+                 "HAS_COPY": copies is not None, "BLOCK": block, "STEP": step}
     signature = {**pointers, **scalars, **{name: "constexpr" for name in constants}}
     names = list(signature)
     source = ASTSource(adamw_triton.adamw_blocks, signature,
@@ -50,11 +50,11 @@ def compiled(kind: str, block: int, warps: int, arch: int = 90):
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
 
 
-def facts(kind: str, block: int, warps: int) -> dict:
-    """Registers a thread (ptxas -v) and the whole-block path's 16-byte loads and stores."""
+def facts(kind: str, block: int, step: int, warps: int) -> dict:
+    """Registers a thread (ptxas -v) and the vector loads and stores (of the unmasked path)."""
     import triton
 
-    ptx = compiled(kind, block, warps).asm["ptx"]
+    ptx = compiled(kind, block, step, warps).asm["ptx"]
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "kernel.ptx"
@@ -62,7 +62,7 @@ def facts(kind: str, block: int, warps: int) -> dict:
         report = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", str(path.with_suffix(".cubin"))],
                                 capture_output=True, text=True, check=True).stderr
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
-    return {"kind": kind, "block": block, "warps": warps, "registers": registers,
+    return {"kind": kind, "block": block, "step": step, "warps": warps, "registers": registers,
             "spills": "0 bytes spill stores" not in report,
             "vector_loads": len(re.findall(r"ld\.global[.\w]*\.v[24]", ptx)),
             "vector_stores": len(re.findall(r"st\.global[.\w]*\.v[24]", ptx))}
@@ -73,6 +73,7 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block", type=int, nargs="*", default=[adamw_kernel.BLOCK])
+    parser.add_argument("--step", type=int, nargs="*", default=[adamw_kernel.STEP])
     parser.add_argument("--warps", type=int, nargs="*", default=[adamw_kernel.NUM_WARPS])
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
@@ -80,9 +81,11 @@ def main() -> int:
         import triton  # noqa: F401
     except ImportError:
         raise SystemExit("adamw_kernel_ptx: triton does not import: pip install triton (make setup does)") from None
-    rows = [facts(kind, block, warps) for block in args.block for warps in args.warps for kind in KINDS]
+    rows = [facts(kind, block, step, warps) for block in args.block for step in args.step if step <= block
+            for warps in args.warps for kind in KINDS]
     for row in rows:
-        print(f"{row['kind']:16} block {row['block']:5} warps {row['warps']:2}: {row['registers']:3} registers"
+        print(f"{row['kind']:16} block {row['block']:5} step {row['step']:5} warps {row['warps']:2}: "
+              f"{row['registers']:3} registers"
               f"{' (spills)' if row['spills'] else ''}, {row['vector_loads']} vector loads, "
               f"{row['vector_stores']} vector stores")
     if args.out:

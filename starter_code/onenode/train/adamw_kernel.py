@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import torch
 
-# Elements a program updates, and its warps: 4 a thread, 42 registers for sm_90, so six programs fit
-# an SM. 4096 at 8 warps (16 a thread) took 214 registers, one program an SM, and its update ran at
-# 23.5 ms against inductor's 16.5 on one H200 (benchmarks/adamw_kernel_ptx.py counts them on a CPU).
-BLOCK = 1024
+# Elements a program updates (one table lookup), the elements it updates at a time, and its warps:
+# 4 elements a thread at a time, about 40 registers for sm_90, so six programs fit an SM. 4096 at
+# once on 8 warps (16 a thread) took 214 registers, one program an SM, and its update ran at 23.5 ms
+# against inductor's 14.7 on one H200 (benchmarks/adamw_kernel_ptx.py counts them on a CPU).
+BLOCK = 8192
+STEP = 1024
 NUM_WARPS = 8
 _ROLES = 5  # the table's columns: master, gradient, exp_avg, exp_avg_sq, copy (an element offset each)
 _TABLES_KEPT = 16  # on the device: block maps (one a kind) and offsets (an eager step's few gradient layouts)
@@ -93,7 +95,7 @@ def _launch(columns: list, step_sizes: torch.Tensor, bias2_sqrts: torch.Tensor, 
     _kernel()[(blocks.count,)](
         blocks.block_tensor, blocks.first_block, offsets.table, blocks.numels, step_sizes, bias2_sqrts,
         *bases[:4], bases[4] if has_copy else bases[0], lr, coef, *hyper,
-        *offsets.align, HAS_COPY=has_copy, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        *offsets.align, HAS_COPY=has_copy, BLOCK=BLOCK, STEP=min(STEP, BLOCK), num_warps=NUM_WARPS)
 
 
 class _Blocks:

@@ -52,7 +52,9 @@ def adamw_blocks(block_tensor, tensor_first_block, offsets, numels, step_sizes, 
                  masters, grads, exp_avgs, exp_avg_sqs, copies, lr_ptr, coef_ptr,
                  one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
                  P_ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, M_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
-                 C_ALIGN: tl.constexpr, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
+                 C_ALIGN: tl.constexpr, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr, STEP: tl.constexpr):
+    """Program i updates block i (`BLOCK` elements of one tensor), `STEP` elements at a time: the
+    tables are read once for a block, and a thread holds few elements (few registers)."""
     pid = tl.program_id(0)
     t = tl.load(block_tensor + pid).to(tl.int64)
     start = (pid - tl.load(tensor_first_block + t)).to(tl.int64) * BLOCK
@@ -60,17 +62,21 @@ def adamw_blocks(block_tensor, tensor_first_block, offsets, numels, step_sizes, 
     row = offsets + t * 5  # _ROLES
     # each offset is stored in units of its role's alignment: times a constant (and the block's start,
     # a multiple of BLOCK), the compiler knows each base aligned and loads vectors
-    index = tl.arange(0, BLOCK)
-    p_at = masters + (tl.load(row) * P_ALIGN + start) + index
-    g_at = grads + (tl.load(row + 1) * G_ALIGN + start) + index
-    m_at = exp_avgs + (tl.load(row + 2) * M_ALIGN + start) + index
-    v_at = exp_avg_sqs + (tl.load(row + 3) * V_ALIGN + start) + index
-    c_at = copies + (tl.load(row + 4) * C_ALIGN + start) + index  # without copies: the masters' (never written)
+    p_base = masters + (tl.load(row) * P_ALIGN + start)
+    g_base = grads + (tl.load(row + 1) * G_ALIGN + start)
+    m_base = exp_avgs + (tl.load(row + 2) * M_ALIGN + start)
+    v_base = exp_avg_sqs + (tl.load(row + 3) * V_ALIGN + start)
+    c_base = copies + (tl.load(row + 4) * C_ALIGN + start)  # without copies: the masters' (never written)
     lr, coef = tl.load(lr_ptr), tl.load(coef_ptr)
     step_size, bias2_sqrt = tl.load(step_sizes + t), tl.load(bias2_sqrts + t)
-    if remaining >= BLOCK:  # a whole block: no mask (a mask of unknown bounds stops vector loads)
-        update(p_at, g_at, m_at, v_at, c_at, index < remaining, lr, coef, step_size, bias2_sqrt, one_minus_beta1,
-               beta2, one_minus_beta2, eps, weight_decay, HAS_COPY, False)
-    else:  # a tensor's last block
-        update(p_at, g_at, m_at, v_at, c_at, index < remaining, lr, coef, step_size, bias2_sqrt, one_minus_beta1,
-               beta2, one_minus_beta2, eps, weight_decay, HAS_COPY, True)
+    index = tl.arange(0, STEP)
+    for i in tl.range(0, BLOCK, STEP):
+        left = remaining - i
+        if left >= STEP:  # whole: no mask (a mask of unknown bounds stops vector loads)
+            update(p_base + i + index, g_base + i + index, m_base + i + index, v_base + i + index,
+                   c_base + i + index, index < left, lr, coef, step_size, bias2_sqrt, one_minus_beta1, beta2,
+                   one_minus_beta2, eps, weight_decay, HAS_COPY, False)
+        elif left > 0:  # the tensor's last elements
+            update(p_base + i + index, g_base + i + index, m_base + i + index, v_base + i + index,
+                   c_base + i + index, index < left, lr, coef, step_size, bias2_sqrt, one_minus_beta1, beta2,
+                   one_minus_beta2, eps, weight_decay, HAS_COPY, True)
