@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 # Elements a program updates (one table lookup), the elements it updates at a time, and its warps:
-# 4 elements a thread at a time, about 40 registers for sm_90, so six programs fit an SM. 4096 at
+# 4 elements a thread at a time, about 50 registers for sm_90, so five programs fit an SM. 4096 at
 # once on 8 warps (16 a thread) took 214 registers, one program an SM, and its update ran at 23.5 ms
 # against inductor's 14.7 on one H200 (benchmarks/adamw_kernel_ptx.py counts them on a CPU).
 BLOCK = 8192
