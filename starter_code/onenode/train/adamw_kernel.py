@@ -10,12 +10,12 @@ in the parameter's dtype, so the bf16 gradients would first be cast to float32 a
 written by another pass (about 48 bytes a parameter against these 28). This kernel compiles once per
 kind (a few seconds) whatever the sizes, and launches once per kind a step.
 
-How: every parameter is cut into blocks of `BLOCK` elements; program i updates block i. A table on
-the device maps each block to its tensor, and each tensor to its element offsets from the first
-tensor of each role (master, gradient, moments, copy), so the kernel reads everything from a few
-base pointers. The tables follow the tensors' sizes and addresses, and are built again only when
-these change (the gradients of an eager step are new tensors each step; the caching allocator
-mostly gives them the addresses they had). Bias corrections are computed per tensor with torch ops
+How: every parameter is cut into blocks of `BLOCK` elements; program i updates block i, `STEP`
+elements at a time. A table on the device maps each block to its tensor, and each tensor to its
+element offsets from the first tensor of each role (master, gradient, moments, copy), so the kernel
+reads everything from a few base pointers. The tables follow the tensors' sizes and addresses, and
+are built again only when these change (the gradients of an eager step are new tensors each step;
+the caching allocator mostly gives them the addresses they had). Bias corrections are computed per tensor with torch ops
 on the device from each tensor's step count, as `_adamw` computes them, so the host never waits.
 
 The math, per element, is `_adamw`'s for float32 and bfloat16 moments, in float32. On a CPU the
@@ -166,5 +166,5 @@ def _tables(columns: list) -> tuple[_Blocks, _Offsets]:
     device = rows[0][0].device
     numels = tuple(t.numel() for t in rows[0])
     addresses = tuple(t.data_ptr() for column in rows for t in column)
-    return (_cached(("blocks", device, numels), lambda: _Blocks(numels, device)),
+    return (_cached(("blocks", device, BLOCK, numels), lambda: _Blocks(numels, device)),
             _cached(("offsets", device, numels, addresses), lambda: _Offsets(rows, device)))
