@@ -124,8 +124,8 @@ def test_the_tables_follow_the_tensors():
 
 
 def test_the_kit_step_through_the_kernel_matches_the_cpu_step(monkeypatch):
-    """`clip_and_update` with `kernel_update` (a GPU's update) on the tiny model in bf16: one launch
-    per parameter group and kind of parameter (`whole_groups` merges a group's chunks), and the
+    """`clip_and_update` with `KernelUpdate` (a GPU's update) on the tiny model in bf16: one launch
+    per parameter group and kind of parameter (a group is one call, not chunks), and the
     masters agree with the CPU's `_adamw` to float32 rounding after three steps."""
     monkeypatch.setattr(adamw_kernel, "BLOCK", 4096)  # the interpreter runs each step in Python
     monkeypatch.setattr(adamw_kernel, "STEP", 4096)
@@ -146,8 +146,8 @@ def test_the_kit_step_through_the_kernel_matches_the_cpu_step(monkeypatch):
             master_update.clip_and_update(parallel.master_weights, optimizer, 0.5, update=update)
         return parallel, optimizer
 
-    kernel, optimizer = train(master_update.kernel_update)
-    reference, _ = train(master_update._adamw)
+    kernel, optimizer = train(master_update.KernelUpdate())
+    reference, _ = train(master_update.ChunkedUpdate(master_update._adamw))
     for (name, got), want in zip(kernel.named_parameters(), reference.parameters()):
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), name
     kinds = {(index, id(param) in kernel.master_weights.copy_of)
@@ -157,22 +157,26 @@ def test_the_kit_step_through_the_kernel_matches_the_cpu_step(monkeypatch):
     assert sum(launches) == 3 * sum(len(group["params"]) for group in optimizer.param_groups)
 
 
-def test_kernel_update_leaves_int8_moments_to_the_compiled_update(monkeypatch):
-    """int8 moments (codes and block scales) are not the kernel's: `kernel_update` hands them to the
-    compiled `_adamw`, and `whole_groups` leaves their chunks as they are."""
-    handed = []
-    monkeypatch.setattr(master_update, "compiled_update", lambda: lambda *args: handed.append(args))
-    param = torch.randn(4, 8)
-    codes = torch.zeros(4, 8, dtype=torch.uint8)
-    scales = [(torch.zeros(4, 1), torch.zeros(4, 1))]
-    master_update.kernel_update([param], [param.bfloat16()], [codes], [codes.clone()], [torch.tensor(0.0)],
-                                [None], torch.tensor(1e-3), torch.tensor(1.0), 0.9, 0.95, 1e-8, 0.0, scales,
-                                (torch.zeros(256), torch.zeros(256)))
-    assert len(handed) == 1
-    state = {"exp_avg": codes, "exp_avg_sq": codes, "step": torch.tensor(0.0)}
-    lr = torch.tensor(1e-3)
-    calls = [([(param, param.bfloat16(), state, None)], ("a",), lr, ()) for _ in range(2)]
-    assert len(master_update.whole_groups(calls)) == 2
+def test_the_kernel_leaves_int8_moments_and_strided_tensors_to_the_compiled_update(monkeypatch):
+    """int8 moments (codes and block scales) and tensors that are not contiguous are not the
+    kernel's: `KernelUpdate` puts the members it takes in one call of `adamw_kernel.adamw`, and
+    hands the others to the compiled `_adamw` in chunks of `CHUNK`."""
+    compiled = object()
+    monkeypatch.setattr(master_update, "compiled_update", lambda: compiled)
+    monkeypatch.setattr(master_update, "CHUNK", 2)
+
+    def member(moments: torch.dtype, strided: bool = False):
+        param = torch.randn(8, 4).t() if strided else torch.randn(4, 8)
+        state = {"exp_avg": torch.zeros(4, 8, dtype=moments), "exp_avg_sq": torch.zeros(4, 8, dtype=moments),
+                 "step": torch.tensor(0.0)}
+        return param, param.bfloat16(), state, None
+
+    taken = [member(torch.float32) for _ in range(3)] + [member(torch.bfloat16) for _ in range(2)]
+    others = [member(torch.uint8) for _ in range(3)] + [member(torch.float32, strided=True)]
+    calls = master_update.KernelUpdate().calls(others[:2] + taken + others[2:])
+    assert [(run, len(members)) for run, members, _ in calls] == [(adamw_kernel.adamw, 5), (compiled, 2), (compiled, 2)]
+    assert [id(m[0]) for m in calls[0][1]] == [id(m[0]) for m in taken]
+    assert {id(m[0]) for _, members, _ in calls[1:] for m in members} == {id(m[0]) for m in others}
 
 
 def test_a_gpu_launcher_binds_the_kernels_arguments(monkeypatch):

@@ -288,15 +288,15 @@ def test_int8_moments_fused_and_unfused_steps_are_one_update():
 
     compiled = torch.compile(master_update._adamw, backend="aot_eager", fullgraph=True)
     runs = []
-    for update in (master_update._adamw, compiled):
+    for update in (master_update.ChunkedUpdate(master_update._adamw), master_update.ChunkedUpdate(compiled)):
         params = _params()
         optimizer = AdamWCompactMoments(params, **INT8)
         for step in range(2):
             for p, g in zip(params, _grads(step, params)):
                 p.grad = g
             with torch.no_grad():
-                calls, _ = master_update._calls(optimizer, lambda param: None)
-                master_update._update(calls, torch.ones(()), update)
+                groups, _ = master_update._groups(optimizer, lambda param: None)
+                master_update._update(groups, torch.ones(()), update)
         runs.append((params, optimizer))
     (eager_params, eager), (traced_params, traced) = runs
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(eager_params, traced_params))

@@ -290,7 +290,7 @@ def _fused_update_graphs(count: int, update_of, shapes_of=lambda i: (4, 8)) -> t
         return lookup_backend("aot_eager")(graph, example_inputs)
 
     torch._dynamo.reset()
-    update = update_of(record)
+    update = master_update.ChunkedUpdate(update_of(record))
     for _ in range(2):
         for master in masters:
             holder = weights.copy_of.get(id(master), master)
@@ -357,7 +357,7 @@ def test_the_fused_update_compiles_beside_the_graphs_earlier_runs_left():
         weights.copy_of[id(master)].grad = torch.randn(6, 4).bfloat16()
     optimizer = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
     try:
-        master_update.clip_and_update(weights, optimizer, 1.0, update=update)
+        master_update.clip_and_update(weights, optimizer, 1.0, update=master_update.ChunkedUpdate(update))
         assert len(made) > earlier  # the new chunk compiled, not run eagerly past dynamo's limit
     finally:
         torch._dynamo.reset()
@@ -444,8 +444,8 @@ def test_the_compiled_fused_update_writes_the_copies(monkeypatch):
     optimizer = build_optimizer(parallel, lr=3e-3)
     weights = parallel.master_weights
     fused = master_update.clip_and_update
-    monkeypatch.setattr(master_update, "clip_and_update",
-                        lambda w, o, m, **_: fused(w, o, m, update=master_update.compiled_update()))
+    compiled = master_update.ChunkedUpdate(master_update.compiled_update())
+    monkeypatch.setattr(master_update, "clip_and_update", lambda w, o, m, **_: fused(w, o, m, update=compiled))
     losses = []
     for _ in range(3):
         losses.append(train_step(parallel, optimizer, ids, labels)["loss"])

@@ -15,10 +15,11 @@ applies to plain `torch.optim.AdamW` and to steps of one micro-batch (several ad
 the masters). The first step makes the state as torch's AdamW would, so it is fused too: what it
 compiles falls in a run's first step, which benchmarks leave out as warm-up.
 
-On a GPU the update is one of two (`chunk_update`, the recipe's `train.fused_update_kernel`):
-`adamw_kernel`'s Triton kernel, one launch per kind of parameter, compiled in seconds whatever the
-sizes; or `_adamw` compiled by inductor, below. A cold inductor compile of a1-1gpu's chunks took
-about 100 s of the first step on one H200, the Triton kernel 8 (benchmarks/results/2026-12-04-h200-first-number/).
+On a GPU the update is one of two (`update_on`, the recipe's `train.fused_update_kernel`):
+`adamw_kernel`'s Triton kernel (`KernelUpdate`), one launch per kind of parameter, compiled in
+seconds whatever the sizes; or `_adamw` compiled by inductor in chunks (`ChunkedUpdate`), below. A
+cold inductor compile of a1-1gpu's chunks took about 100 s of the first step on one H200, the Triton
+kernel 8 (benchmarks/results/2026-12-04-h200-first-number/).
 
 The compiled update takes the parameters in chunks of at most `CHUNK`, so its graphs stay the size
 of one chunk whatever the model's parameter count. The update is elementwise, so each tensor goes in
@@ -234,14 +235,16 @@ def compiled_update(backend="inductor", fullgraph: bool = False):
     return torch.compile(_adamw, dynamic=False, backend=backend, fullgraph=fullgraph)
 
 
-def chunk_update(device: torch.device, kernel: str = "triton"):
-    """The function a chunk's update runs on `device`: on a GPU `kernel_update` (`adamw_kernel`'s
+def update_on(device: torch.device, kernel: str = "triton"):
+    """How a step's parameters are updated on `device`: on a GPU `KernelUpdate` (`adamw_kernel`'s
     Triton kernel) where `kernel` is triton and Triton imports, else `_adamw` compiled by inductor
-    (the recipe's `train.fused_update_kernel`); on a CPU `_adamw` itself (`offload.py` calls it on
-    the chunks it copies to the device)."""
+    in chunks (the recipe's `train.fused_update_kernel`); on a CPU `_adamw` itself in chunks
+    (`offload.py` runs the calls on the chunks it copies to the device)."""
     if device.type != "cuda":
-        return _adamw
-    return kernel_update if kernel == "triton" and adamw_kernel.available() is None else compiled_update()
+        return ChunkedUpdate(_adamw)
+    if kernel == "triton" and adamw_kernel.available() is None:
+        return KernelUpdate()
+    return ChunkedUpdate(compiled_update())
 
 
 def compiled_on_gpu(optimizer: torch.optim.Optimizer, kernel: str = "triton") -> bool:
@@ -252,37 +255,30 @@ def compiled_on_gpu(optimizer: torch.optim.Optimizer, kernel: str = "triton") ->
             or adamw_kernel.available() is not None)
 
 
-def kernel_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                  exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], copies: list[torch.Tensor | None],
-                  lr: torch.Tensor, coef: torch.Tensor, beta1: float, beta2: float, eps: float,
-                  weight_decay: float, scales=None, codebooks=None) -> None:
-    """`_adamw` by `adamw_kernel` (a launch per kind of parameter, compiled once whatever the sizes)
-    where it takes every member (`adamw_kernel.supports`), else `_adamw` compiled: int8 moments, a
-    tensor not contiguous."""
-    members = list(zip(params, grads, exp_avgs, exp_avg_sqs, copies))
-    if scales is None and all(adamw_kernel.supports(*member) for member in members):
-        adamw_kernel.adamw(params, grads, exp_avgs, exp_avg_sqs, steps, copies, lr, coef, beta1, beta2, eps,
-                           weight_decay)
-    else:
-        compiled_update()(params, grads, exp_avgs, exp_avg_sqs, steps, copies, lr, coef, beta1, beta2, eps,
-                          weight_decay, scales, codebooks)
+class ChunkedUpdate:
+    """`run` (`_adamw` or a compiled form of it) over one group's members in chunks of at most
+    `CHUNK` (`chunks`): a compiled graph stays the size of one chunk."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def calls(self, members: list) -> list[tuple]:
+        """(function, members, their signatures) per call."""
+        return [(self.run, chunk, signatures) for signatures, chunk in chunks(members)]
 
 
-def whole_groups(calls: list[tuple]) -> list[tuple]:
-    """`calls` with the chunks of one parameter group that `kernel_update`'s kernel takes merged
-    into one call (it needs no chunks; one launch a kind instead of one a chunk): the others as
-    they are."""
-    merged, open_group = [], None  # open_group: the lr tensor of the last call, if it may take more
-    for chunk, signatures, lr, hyper in calls:
-        takes = all(adamw_kernel.supports(param, grad, state["exp_avg"], state["exp_avg_sq"], copy)
-                    for param, grad, state, copy in chunk)
-        if takes and open_group is lr:
-            last = merged[-1]
-            merged[-1] = (last[0] + chunk, last[1] + signatures, lr, hyper)
-        else:
-            merged.append((chunk, signatures, lr, hyper))
-        open_group = lr if takes else None
-    return merged
+class KernelUpdate:
+    """`adamw_kernel`'s launches over every member of a group it takes (`adamw_kernel.supports`),
+    in one call: it needs no chunks, and launches once per kind of parameter. The others (int8
+    moments, a tensor not contiguous) go to `_adamw` compiled, in chunks."""
+
+    def calls(self, members: list) -> list[tuple]:
+        takes = [adamw_kernel.supports(param, grad, state["exp_avg"], state["exp_avg_sq"], copy)
+                 for param, grad, state, copy in members]
+        kernel = [member for member, taken in zip(members, takes) if taken]
+        rest = [member for member, taken in zip(members, takes) if not taken]
+        return (([(adamw_kernel.adamw, kernel, ())] if kernel else [])
+                + ChunkedUpdate(compiled_update()).calls(rest))
 
 
 def _flat(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -320,15 +316,16 @@ def chunks(members: list) -> list[tuple[tuple, list]]:
 
 
 def graphs_allowed(calls: list[tuple]) -> contextlib.AbstractContextManager:
-    """Room in dynamo's cache for one graph per distinct chunk of this step besides those it holds:
-    its default limit of 8 per function would send the rest to eager, with other roundings than the
-    compiled update's. The graphs of every `compiled_update` and of every run this process made before
-    (a test, a bench beside another) are entries of `_adamw`'s one code object, so the limit counts
-    them too; this step adds at most its distinct chunks (`_signature`; `benchmarks/update_graphs.py`
-    counts them: 13 for the reference solution's a1-1gpu, 12 for the starter's)."""
+    """Room in dynamo's cache for one graph per distinct chunk of this step (`calls`, as `cut` makes
+    them) besides those it holds: its default limit of 8 per function would send the rest to eager,
+    with other roundings than the compiled update's. The graphs of every `compiled_update` and of every
+    run this process made before (a test, a bench beside another) are entries of `_adamw`'s one code
+    object, so the limit counts them too; this step adds at most its distinct chunks (`_signature`;
+    `benchmarks/update_graphs.py` counts them: 13 for the reference solution's a1-1gpu, 12 for the
+    starter's)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    distinct = len({(signatures, hyper) for _, signatures, _, hyper in calls})
+    distinct = len({(signatures, hyper) for _, _, signatures, _, hyper in calls if signatures})
     cached = len(_debug_get_cache_entry_list(_adamw.__code__))
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
@@ -337,12 +334,12 @@ def graphs_allowed(calls: list[tuple]) -> contextlib.AbstractContextManager:
 
 @torch.no_grad()
 def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_norm: float,
-                    update=None, kernel: str = "triton") -> torch.Tensor:
+                    update: ChunkedUpdate | KernelUpdate | None = None, kernel: str = "triton") -> torch.Tensor:
     """Clip the step's gradients (on the bf16 copies, or on the masters that have none) to a global
     L2 norm and take `optimizer`'s AdamW step, writing the copies; the norm before clipping, a 0-d
-    float32 tensor (no host sync, as `step.clip_grad_norm_`). `update` is the chunk update to call
-    (default: `chunk_update` of the gradients' device and `kernel`)."""
-    calls, grads = _calls(optimizer, lambda param: weights.copy_of.get(id(param)))
+    float32 tensor (no host sync, as `step.clip_grad_norm_`). `update` says how the parameters are
+    updated (default: `update_on` the gradients' device with `kernel`)."""
+    groups, grads = _groups(optimizer, lambda param: weights.copy_of.get(id(param)))
     if not grads:
         return torch.zeros(())
     total_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
@@ -350,19 +347,19 @@ def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_no
     if max_norm and max_norm > 0:
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     if update is None:
-        update = chunk_update(grads[0].device, kernel)
-    getattr(optimizer, "update_chunks", _update)(calls, coef, update)
+        update = update_on(grads[0].device, kernel)
+    getattr(optimizer, "update_groups", _update)(groups, coef, update)
     weights.drop_copy_grads()
     weights.copies_written()
     return total_norm
 
 
-def _calls(optimizer: torch.optim.AdamW, copy_of) -> tuple[list[tuple], list[torch.Tensor]]:
-    """The chunked update calls of `optimizer`'s step, and the gradients in the optimizer's order
-    (as the unfused clip sums their norms). A parameter's gradient is on its copy where
+def _groups(optimizer: torch.optim.AdamW, copy_of) -> tuple[list[tuple], list[torch.Tensor]]:
+    """Per parameter group of `optimizer` with gradients, its members (`update_member`), its lr as
+    a tensor on their device and its other hyperparameters; and the gradients in the optimizer's
+    order (as the unfused clip sums their norms). A parameter's gradient is on its copy where
     `copy_of(param)` gives one, else on itself; a DTensor's local shard is updated in place."""
-    calls = []  # (chunk of (param, grad, state, copy), their signatures, the group's lr tensor, other hyperparameters)
-    grads = []
+    groups, grads = [], []
     for group in optimizer.param_groups:
         members = []
         for param in group["params"]:
@@ -375,9 +372,15 @@ def _calls(optimizer: torch.optim.AdamW, copy_of) -> tuple[list[tuple], list[tor
         grads += [grad for _, grad, _, _ in members]
         if members:
             lr = torch.full((), group["lr"], device=members[0][1].device)
-            hyper = (*group["betas"], group["eps"], group["weight_decay"])
-            calls += [(chunk, signatures, lr, hyper) for signatures, chunk in chunks(members)]
-    return calls, grads
+            groups.append((members, lr, (*group["betas"], group["eps"], group["weight_decay"])))
+    return groups, grads
+
+
+def cut(groups: list[tuple], update: ChunkedUpdate | KernelUpdate) -> list[tuple]:
+    """The step's calls: (function, members, their signatures, lr, hyperparameters) each, as
+    `update` cuts each group's members."""
+    return [(run, members, signatures, lr, hyper) for group_members, lr, hyper in groups
+            for run, members, signatures in update.calls(group_members)]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -385,28 +388,27 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _update(calls: list[tuple], coef: torch.Tensor, update=None) -> None:
-    """Run the chunked AdamW calls with gradients times `coef` (`_adamw`, compiled on a GPU)."""
-    if not calls:
+def _update(groups: list[tuple], coef: torch.Tensor, update: ChunkedUpdate | KernelUpdate | None = None) -> None:
+    """Update the groups' members (`_groups`) with gradients times `coef`, as `update` says
+    (default: `update_on` their device)."""
+    if not groups:
         return
     if update is None:
-        update = chunk_update(calls[0][0][0][1].device)
-    if update is kernel_update:
-        calls = whole_groups(calls)
+        update = update_on(groups[0][1].device)
+    calls = cut(groups, update)
     with graphs_allowed(calls):
-        for chunk, _, lr, hyper in calls:
-            params, chunk_grads, states, copies = (list(column) for column in zip(*chunk))
-            run_chunk(update, params, chunk_grads, states, copies, lr, coef.to(lr.device), hyper)
+        for run, members, _, lr, hyper in calls:
+            run_call(run, members, lr, coef.to(lr.device), hyper)
 
 
-def run_chunk(update, params: list, grads: list, states: list[dict], copies: list, lr: torch.Tensor,
-              coef: torch.Tensor, hyper: tuple) -> None:
-    """One chunk's `update` call, its moments, step counts and int8 scales read from `states`
-    (`offload.py` calls it on the copies it stages on the device)."""
+def run_call(run, members: list, lr: torch.Tensor, coef: torch.Tensor, hyper: tuple) -> None:
+    """One call of `run` over `members` (param, grad, state, copy), their moments, step counts and
+    int8 scales read from the states (`offload.py` calls it on the copies it stages on the device)."""
+    params, grads, states, copies = (list(column) for column in zip(*members))
     scales = [(s["exp_avg_scale"], s["exp_avg_sq_scale"]) if "exp_avg_scale" in s else None for s in states]
-    update(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-           [s["step"] for s in states], copies, lr, coef, *hyper,
-           *((scales, _codebooks(lr.device)) if any(scales) else ()))
+    run(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+        [s["step"] for s in states], copies, lr, coef, *hyper,
+        *((scales, _codebooks(lr.device)) if any(scales) else ()))
 
 
 class AdamWCompactMoments(torch.optim.AdamW):
@@ -432,11 +434,11 @@ class AdamWCompactMoments(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        calls, _ = _calls(self, lambda param: None)
-        if calls:
-            self.update_chunks(calls, torch.ones((), device=calls[0][2].device))
+        groups, _ = _groups(self, lambda param: None)
+        if groups:
+            self.update_groups(groups, torch.ones((), device=groups[0][1].device))
         return loss
 
-    def update_chunks(self, calls: list[tuple], coef: torch.Tensor, update=None) -> None:
-        """Run this step's chunked calls (`_update`; `offload.AdamWOffloaded` streams its state)."""
-        _update(calls, coef, update)
+    def update_groups(self, groups: list[tuple], coef: torch.Tensor, update=None) -> None:
+        """Update the groups' members (`_update`; `offload.AdamWOffloaded` streams its state)."""
+        _update(groups, coef, update)

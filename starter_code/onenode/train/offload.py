@@ -8,9 +8,9 @@ keeps the copy and its gradient, 4 bytes; the 12 bytes of state (8 with `optimiz
 bfloat16`) live in host memory, page-locked in 1 GiB blocks (`HostMemory`; torch's pinned allocator
 would round each tensor up to a power of two). `group6-7b` (7.0B parameters) needs 84 GB of it.
 
-The step (`AdamWOffloaded.update_chunks`), chunk by chunk (`master_update.chunks`, each cut to at
-most `CHUNK_BYTES` of state): an upload stream copies the chunk's masters, moments and step counts
-to the GPU, the compute stream runs the update on them (`master_update.chunk_update`, compiled; it also
+The step (`AdamWOffloaded.update_groups`), call by call (as `master_update.update_on` cuts each
+group, each call cut again to at most `CHUNK_BYTES` of state): an upload stream copies the call's
+masters, moments and step counts to the GPU, the compute stream runs the update on them (it also
 writes the bf16 copies), a download stream copies them back. Chunk i+1's upload overlaps chunk i's
 update and chunk i-1's download, host-to-device and device-to-host at once on their own copy
 engines; the host waits for chunk i-2's download before it allocates chunk i, so at most two chunks
@@ -50,7 +50,7 @@ import contextlib
 import torch
 
 from ..parallel.mixed_precision import MasterWeights
-from .master_update import AdamWCompactMoments, chunk_update, graphs_allowed, kernel_update, run_chunk, whole_groups
+from .master_update import AdamWCompactMoments, cut, graphs_allowed, run_call, update_on
 
 CHUNK_BYTES = 1 << 29  # 512 MiB: a chunk's state at most, unless one parameter alone holds more
 # Pinned host memory in blocks of 1 GiB, each tensor a slice of one: torch's pinned allocator rounds
@@ -130,14 +130,10 @@ class AdamWOffloaded(AdamWCompactMoments):
                     state[key] = old.copy_(value)
             self.place_state(state)
 
-    def update_chunks(self, calls: list[tuple], coef: torch.Tensor, update=None) -> None:
-        """`master_update._update` with each chunk's host tensors copied to the device and back."""
+    def update_groups(self, groups: list[tuple], coef: torch.Tensor, update=None) -> None:
+        """`master_update._update` with each call's host tensors copied to the device and back."""
         cuda = self.device.type == "cuda"
-        if update is None:
-            update = chunk_update(self.device)
-        if update is kernel_update:
-            calls = whole_groups(calls)
-        calls = [piece for call in calls for piece in _bounded(call)]
+        calls = [piece for call in cut(groups, update or update_on(self.device)) for piece in _bounded(call)]
         if not calls:
             return
         compute = torch.cuda.current_stream(self.device) if cuda else None
@@ -149,15 +145,14 @@ class AdamWOffloaded(AdamWCompactMoments):
         coef = coef.to(self.device)
         downloaded = []  # per chunk: the event after its download (GPU)
         with graphs_allowed(calls):
-            for index, (chunk, _, lr, hyper) in enumerate(calls):
+            for index, (run, members, _, lr, hyper) in enumerate(calls):
                 if cuda and index >= 2:  # chunk index-2's staging freed: two chunks on the GPU at most
                     downloaded[index - 2].synchronize()
                 with _on(uploads):
-                    staged, back = _upload(chunk, self.device, cuda, streams=(compute, downloads))
+                    staged, back = _upload(members, self.device, cuda, streams=(compute, downloads))
                     if cuda:
                         compute.wait_stream(uploads)
-                params, grads, states, copies = staged
-                run_chunk(update, params, grads, states, copies, lr.to(self.device), coef, hyper)
+                run_call(run, staged, lr.to(self.device), coef, hyper)
                 with _on(downloads):
                     if cuda:
                         downloads.wait_stream(compute)
@@ -179,23 +174,23 @@ def _state_bytes(member) -> int:
 
 
 def _bounded(call: tuple) -> list[tuple]:
-    """A chunked call cut into calls of at most `CHUNK_BYTES` of state each (one parameter at least)."""
-    chunk, signatures, lr, hyper = call
+    """A call cut into calls of at most `CHUNK_BYTES` of state each (one parameter at least)."""
+    run, members, signatures, lr, hyper = call
     pieces, start, size = [], 0, 0
-    for i, member in enumerate(chunk):
+    for i, member in enumerate(members):
         if i > start and size + _state_bytes(member) > CHUNK_BYTES:
-            pieces.append((chunk[start:i], signatures[start:i], lr, hyper))
+            pieces.append((run, members[start:i], signatures[start:i], lr, hyper))
             start, size = i, 0
         size += _state_bytes(member)
-    pieces.append((chunk[start:], signatures[start:], lr, hyper))
+    pieces.append((run, members[start:], signatures[start:], lr, hyper))
     return pieces
 
 
-def _upload(chunk: list, device: torch.device, cuda: bool, streams: tuple) -> tuple[tuple, list]:
-    """The chunk's tensors on `device` (a host tensor copied to a new one, even where the device is
-    the CPU; a GPU tensor itself), as the update's lists, and the (host, device) pairs the update
-    writes, to copy back. On a GPU a new tensor is recorded on `streams` (compute, downloads), which
-    use it after the upload stream that made it."""
+def _upload(members: list, device: torch.device, cuda: bool, streams: tuple) -> tuple[list, list]:
+    """The call's members (param, grad, state, copy) with their tensors on `device` (a host tensor
+    copied to a new one, even where the device is the CPU; a GPU tensor itself), and the (host,
+    device) pairs the update writes, to copy back. On a GPU a new tensor is recorded on `streams`
+    (compute, downloads), which use it after the upload stream that made it."""
     back = []
 
     def staged(tensor: torch.Tensor, written: bool) -> torch.Tensor:
@@ -210,10 +205,6 @@ def _upload(chunk: list, device: torch.device, cuda: bool, streams: tuple) -> tu
             back.append((tensor, on_device))
         return on_device
 
-    columns = ([], [], [], [])
-    for param, grad, state, copy in chunk:
-        columns[0].append(staged(param, True))
-        columns[1].append(staged(grad, False))
-        columns[2].append({key: staged(value, True) for key, value in state.items()})  # moments, step, int8 scales
-        columns[3].append(copy)
-    return columns, back
+    # the state: moments, step count, int8 scales
+    return [(staged(param, True), staged(grad, False), {key: staged(value, True) for key, value in state.items()}, copy)
+            for param, grad, state, copy in members], back

@@ -175,7 +175,7 @@ def train_step(
     loss of the forward just run (`RouterBalancer.pop_aux_loss`); the objective adds it times
     `aux_loss_coef`. Where `train/master_update.py` applies (one process in bf16, one micro-batch,
     AdamW), the clip and the update are its fused pass (on a GPU by `update_kernel`: triton or
-    inductor, `master_update.chunk_update`), unless `fused_update` is False: then the
+    inductor, `master_update.update_on`), unless `fused_update` is False: then the
     masters take float32 gradients and the optimizer steps them. Returns this rank's loss (mean
     over micro-batches; None on pipeline ranks without the last stage), the global gradient norm
     before clipping and, with `aux_loss_fn`, `aux_loss`.
