@@ -108,15 +108,15 @@ def test_overrides_and_missing_file(tmp_path):
         parse_override("optimizer.name")
 
 
-def test_the_fused_update_kernel_follows_the_layers_compile_and_keeps_the_hash_by_default():
-    """auto: inductor's update where the layers compile anyway (the faster step), Triton's where
-    they run eagerly (seconds to a first step); a recipe names either, its hash then says which (the
-    two round differently), and keeps the hash it had before the option where it names none."""
+def test_the_fused_update_kernel_is_triton_by_default_and_keeps_the_hash():
+    """auto: Triton's update whether or not the layers compile (as fast as inductor's, and a minute
+    sooner to a first step); a recipe names either, its hash then says which (the two round
+    differently), and keeps the hash it had before the option where it names none."""
     tiny = RECIPES / "tiny.yaml"
     assert load_recipe(tiny, {"train.compile": "off"}).train.update_kernel() == "triton"
-    assert load_recipe(tiny, {"train.compile": "blocks"}).train.update_kernel() == "inductor"
-    named = load_recipe(tiny, {"train.compile": "blocks", "train.fused_update_kernel": "triton"})
-    assert named.train.update_kernel() == "triton"
+    assert load_recipe(tiny, {"train.compile": "blocks"}).train.update_kernel() == "triton"
+    named = load_recipe(tiny, {"train.compile": "blocks", "train.fused_update_kernel": "inductor"})
+    assert named.train.update_kernel() == "inductor"
     default, auto = load_recipe(tiny), load_recipe(tiny, {"train.fused_update_kernel": "auto"})
     assert default.training_sha256 == auto.training_sha256 != named.training_sha256
     with pytest.raises(RecipeError, match="train.fused_update_kernel: is auto, triton or inductor"):

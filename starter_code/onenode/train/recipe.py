@@ -83,10 +83,10 @@ class TrainSection:
     # parameter (train/master_update.py); false: float32 gradients on the masters, torch's AdamW
     fused_update: bool = True
     # the fused update's GPU kernel: triton (train/adamw_kernel.py: one launch a kind of parameter,
-    # compiled in seconds), inductor (`_adamw` compiled per chunk: a minute or two cold, and 12%
-    # more tokens/s than triton at 1 x 4096 with compiled layers on one H200), or auto: inductor where
-    # the layers compile anyway (train.compile set), triton where they run eagerly (the first number
-    # in seconds). The two round alike but not bit for bit: a replay takes the run's.
+    # compiled in seconds), inductor (`_adamw` compiled per chunk: a minute or two cold), or auto:
+    # triton (as fast as inductor's at 1 x 4096 with compiled layers and CUDA graphs, and 50 s
+    # sooner to the first step: benchmarks/results/2026-12-05-h100-update-kernel-automodel/).
+    # The two round alike but not bit for bit: a replay takes the run's.
     fused_update_kernel: str = "auto"
     # linear layers trained in float8 (torchao's rowwise Float8Linear, parallel/float8.py), by kind:
     # any of mamba, attention, mlp, experts; [] (the default): all in bf16
@@ -97,10 +97,8 @@ class TrainSection:
     device: str = "auto"  # auto: cuda when available, else cpu
 
     def update_kernel(self) -> str:
-        """`fused_update_kernel` with auto resolved: inductor where the layers compile, else triton."""
-        if self.fused_update_kernel != "auto":
-            return self.fused_update_kernel
-        return "triton" if self.compile == "off" else "inductor"
+        """`fused_update_kernel` with auto resolved: triton."""
+        return "triton" if self.fused_update_kernel == "auto" else self.fused_update_kernel
 
 
 @dataclass
