@@ -10,7 +10,8 @@ exists when the next starts, so no session can answer with another's results, an
 or OOM in one part never touches another.
 
 A session timed beside the starter's takes turns with it step by step. On CPU the idle one is
-frozen (SIGSTOP stops all of its work). On a GPU a frozen process's queued kernels keep running,
+frozen (SIGSTOP), and its processes' CPU time read before and after: one that ran meanwhile
+(a timer's SIGCONT undoes a stop) fails its session. On a GPU a frozen process's queued kernels keep running,
 so there the submission's session runs to its end and its child is ended, its GPU contexts gone
 (`SandboxedProcess.wait` waits for nvidia-smi to list none), before the starter's is timed.
 """
@@ -31,6 +32,8 @@ from .sandbox import Limits, SandboxedProcess, SandboxError, isolated_ranks, mak
 
 LOG_TAIL_LINES = 30
 DIED = "the child stopped answering"
+RAN_WHILE_FROZEN = ("it ran while frozen for the other child's timed turn, which it could slow: a submission must "
+                    "leave nothing running between its steps")
 
 
 @dataclass(frozen=True)
@@ -214,24 +217,27 @@ class Child:
         """Run a session; with a `baseline` (the starter's child and session) the two take
         turns step by step (ABBA), so both are timed on the same machine in the same minutes.
         Whichever is timed runs alone: every process of the other is frozen meanwhile, so
-        nothing one leaves running (a CPU burner, say) can slow the other's turn. CPU only: on a
-        GPU see `run_beside`."""
+        nothing one leaves running (a CPU burner, say) can slow the other's turn; a child whose
+        processes ran all the same (a signal that wakes them: `SandboxedProcess.resume` reads their
+        CPU time) fails its session. CPU only: on a GPU see `run_beside`."""
         deadline = time.monotonic() + self.profile.timeout_s
         pairs = [(self, session, self.open(session, deadline))]
         if baseline is not None:
             pairs.append((*baseline, baseline[0].open(baseline[1], deadline)))
         for i, seed in enumerate(session.seeds):
             for child, timed, result in pairs if i % 2 == 0 else pairs[::-1]:
-                others = [other for other, _, _ in pairs if other is not child]
+                others = [(other, its) for other, _, its in pairs if other is not child]
                 if result.ok:
-                    for other in others:
+                    for other, _ in others:
                         other.proc.pause()
                     try:
                         child.step(result, seed, deadline,
                                    evidence=timed.spec.get("kind") == "train" and i == len(session.seeds) - 1)
                     finally:
-                        for other in others:
-                            other.proc.resume()
+                        for other, its in others:
+                            ran = other.proc.resume()
+                            if ran and its.ok:  # it ran in the other's timed turn: no turn of this session counts
+                                its.error = f"{RAN_WHILE_FROZEN} ({ran})"
             if not pairs[0][2].ok:
                 break
         for child, _, result in pairs:

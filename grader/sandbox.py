@@ -637,6 +637,53 @@ def _is_descendant(pid: int, ancestor: int) -> bool:
     return False
 
 
+FREEZE_SETTLE_S = 0.01  # after every process shows stopped, before its CPU time is read
+FREEZE_SLACK_MS = 1.0  # CPU a frozen tree may show used between pause and resume (accounting's edges)
+
+
+def _cpu_used(pid: int) -> tuple[int, float] | None:
+    """CPU a process has used: (utime + stime + cutime + cstime of /proc/<pid>/stat in clock ticks:
+    its whole thread group, ended threads and reaped children included; its live threads'
+    se.sum_exec_runtime in ms from /proc/<pid>/task/*/sched, exact, 0 where the kernel has no
+    such file), None if it is gone."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    ticks = sum(int(fields[i]) for i in (11, 12, 13, 14))  # fields 14-17 of stat(5), counted from the state
+    runtime = 0.0
+    try:
+        for task in os.scandir(f"/proc/{pid}/task"):
+            try:
+                text = Path(task.path, "sched").read_text()
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+            line = next((ln for ln in text.splitlines() if ln.startswith("se.sum_exec_runtime")), None)
+            runtime += float(line.split(":")[1]) if line else 0.0
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return ticks, runtime
+
+
+def _ran_while_frozen(frozen: dict[int, tuple[int, float] | None], live: dict[int, str]) -> str | None:
+    """What of a tree frozen with CPU times `frozen` ran before the tree read `live` (pid ->
+    state), in one line, or None."""
+    born = sorted(set(live) - set(frozen))
+    if born:
+        return f"process {born[0]} started while the sandbox was frozen"
+    awake = next((pid for pid, state in live.items() if state not in "tT"), None)
+    if awake is not None:
+        return f"process {awake} was running (state {live[awake]}) while the sandbox was frozen"
+    for pid, before in frozen.items():
+        after = _cpu_used(pid)
+        if before is None or after is None:
+            continue
+        ticks, runtime = after[0] - before[0], after[1] - before[1]
+        if ticks > 0 or runtime > FREEZE_SLACK_MS:
+            used = f"{runtime:.1f} ms" if runtime > 0 else f"{ticks} clock ticks"
+            return f"process {pid} used {used} of CPU while the sandbox was frozen"
+    return None
+
+
 def _thread_count(pid: int) -> int:
     try:
         return len(os.listdir(f"/proc/{pid}/task"))
@@ -779,6 +826,7 @@ class SandboxedProcess:
         self._sent: dict[str, int] = {}  # network namespace -> bytes sent, the most read so far
         self._memory: dict[int, ProcessMemory] = {}
         self._cgroup: Path | None = None
+        self._frozen: dict[int, tuple[int, float] | None] | None = None  # pid -> CPU used, from `pause`
         self.filesystem_isolated = _require_sandbox()
         self.network_isolated = self.filesystem_isolated and not limits.network
         _warn_about_gaps()
@@ -1001,7 +1049,9 @@ class SandboxedProcess:
     def pause(self, timeout_s: float = 5.0) -> None:
         """Freeze every process of the sandbox (SIGSTOP) so the grader can time another child
         alone. Passes over /proc until all are stopped at once: a process forked, or resumed by a
-        sibling, while the first pass ran is caught by the next. SandboxError after ``timeout_s``."""
+        sibling, while the first pass ran is caught by the next. SandboxError after ``timeout_s``.
+        Then it reads each process's CPU time, which `resume` reads again: a stop is only a state
+        that a signal undoes (a timer's SIGCONT, say), so that it held is checked, not assumed."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while running := [pid for pid, state in self._live().items() if state not in "tT"]:
@@ -1010,12 +1060,19 @@ class SandboxedProcess:
                 for pid in running:
                     self._signal(pid, signal.SIGSTOP)
                 time.sleep(0.002)
+            time.sleep(FREEZE_SETTLE_S)  # the last context switches out of the stopped tasks are accounted
+            self._frozen = {pid: _cpu_used(pid) for pid in self._live()}
 
-    def resume(self) -> None:
-        """Let every process of the sandbox run again (SIGCONT)."""
+    def resume(self) -> str | None:
+        """Let every process of the sandbox run again (SIGCONT). Returns None if it stayed frozen
+        since `pause`, else what ran meanwhile, in one line: a process that used CPU
+        (`_cpu_used` grew, beyond `FREEZE_SLACK_MS`), left the stopped state, or was forked."""
         with self._lock:
-            for pid in self._live():
+            live, frozen, self._frozen = self._live(), self._frozen, None
+            ran = None if frozen is None else _ran_while_frozen(frozen, live)
+            for pid in live:
                 self._signal(pid, signal.SIGCONT)
+            return ran
 
     # -- the end
 

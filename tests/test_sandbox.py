@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -563,6 +564,30 @@ def test_pause_freezes_every_process_and_resume_lets_them_run(scratch):
         assert cpu_ticks(busy) > frozen
     assert len(busy) >= 2
 
+
+
+def test_resume_says_when_a_frozen_process_ran_all_the_same(scratch):
+    """A stop is a state a signal undoes (a timer's SIGCONT): `resume` reads the frozen tree's CPU
+    time again and says in one line that a process ran; an honest frozen tree reads None. Fails if
+    `pause` only checks that every process stopped once."""
+    code = """
+        import os
+        if os.fork():
+            print("spinning", flush=True)
+        while True:
+            pass
+    """
+    with spawn_py(code, scratch, Limits(wall_s=30, cpu_s=30)) as proc:
+        assert proc.readline(timeout=10) == b"spinning\n"
+        proc.pause()
+        time.sleep(0.2)
+        assert proc.resume() is None  # frozen throughout
+        proc.pause()
+        woken = max(proc.pids())
+        os.kill(woken, signal.SIGCONT)  # what a timer the child set up would send
+        time.sleep(0.2)
+        ran = proc.resume()
+    assert ran is not None and "while the sandbox was frozen" in ran and "\n" not in ran
 
 def test_peak_memory_is_read_from_proc(scratch):
     code = """

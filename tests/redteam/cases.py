@@ -484,6 +484,74 @@ if _mp.parent_process() is not None and not _os.environ.get("_BURNING"):  # in e
 """
 
 
+# Burners that wake themselves: POSIX timers send them SIGCONT, which undoes the grader's SIGSTOP a few ms
+# after `pause` saw them stopped, so they slow the starter's turn (10/10 on Part 1 before `resume` read
+# the frozen tree's CPU time).
+THAWS_ITSELF = """
+import multiprocessing as _mp
+import os as _os
+
+
+def _thawing_burner(rank):
+    # Burns CPU only while `rank` is frozen by the grader (the starter's turn). POSIX timers send
+    # this process SIGCONT (a handler is installed, so the kernel delivers it). Three timers, 5 ms
+    # apart, re-made each time it runs: a SIGSTOP that flushes one timer's pending SIGCONT leaves the others.
+    import ctypes
+    import signal
+    import time
+
+    class _sigevent(ctypes.Structure):
+        _fields_ = [("value", ctypes.c_void_p), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
+                    ("pad", ctypes.c_int * 12)]
+
+    class _ts(ctypes.Structure):
+        _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+
+    class _its(ctypes.Structure):
+        _fields_ = [("interval", _ts), ("value", _ts)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    signal.signal(signal.SIGCONT, lambda *a: None)
+    timers = []
+
+    def rearm():
+        for timer in timers:
+            libc.timer_delete(timer)
+        timers.clear()
+        for phase in (5, 10, 15):
+            timer, event = ctypes.c_void_p(), _sigevent(signo=signal.SIGCONT, notify=0)
+            libc.timer_create(1, ctypes.byref(event), ctypes.byref(timer))
+            libc.timer_settime(timer, 0, ctypes.byref(_its(_ts(0, 15_000_000), _ts(0, phase * 1_000_000))), None)
+            timers.append(timer)
+
+    while True:
+        rearm()
+        try:
+            with open(f"/proc/{rank}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            _os._exit(0)
+        if _os.getppid() != rank:
+            _os._exit(0)
+        if state in "tT":
+            end = time.perf_counter() + 0.01
+            while time.perf_counter() < end:
+                pass
+        else:
+            time.sleep(0.005)
+
+
+if _mp.parent_process() is not None and not _os.environ.get("_THAWING"):  # in each rank, once
+    _os.environ["_THAWING"] = "1"
+    _rank = _os.getpid()
+    for _ in range(3):
+        if _os.fork() == 0:
+            try:
+                _thawing_burner(_rank)
+            finally:
+                _os._exit(0)
+"""
+
 def _running(name: str, patches: dict[str, str], reason: str, part: str = "moe") -> Case:
     def build(kit: Path, dest: Path) -> Path:
         return folder(dest, name, "".join(append_to(kit, path, code) for path, code in patches.items()))
@@ -596,6 +664,7 @@ CASES: list[Case] = [
              r"not faster"),
     _running("reads-the-cohort", {f"{STARTER}/__init__.py": READ_COHORT, MOE_FILE: SLOW_MOE}, r"not faster"),
     _running("slows-the-baseline", {f"{STARTER}/__init__.py": SLOWS_THE_BASELINE}, r"not faster"),
+    _running("thaws-itself", {f"{STARTER}/__init__.py": THAWS_ITSELF}, r"ran while frozen"),
     _on_the_fix("wrong-expert-gradient", MOE_FILE, WRONG_EXPERT_GRADIENT, r"^wrong", "moe"),
     _running("tampers-the-counter", {f"{STARTER}/__init__.py": COUNTER_TAMPERING},
              r"^matches, but the expert weights still travel", part="ep"),
