@@ -1,24 +1,38 @@
 """Evaluation text in the data a run trained on, on every profile.
 
 The shards scanned are the ones the run's checkpoints name, verified by hash (`audit.trained_shards`);
-the evaluation text is every item of the profile's suite (`onenode.eval.suite.suite_texts`),
-tokenized with the data's own tokenizer. A training document is flagged when it shares with it
-a run of as many tokens as 13 words take (13 x the evaluation text's tokens per word: 17 for
-GPT-2's BPE, about 35 for a 512-token one): the data pipeline's 13-word rule, on token ids so
-that billions of tokens scan in minutes: vectorised rolling hashes over the memory-mapped shards (nothing decoded), a
-table of the wanted hashes' top bits in front of the exact lookup, chunks spread over the
-profile's CPU threads.
+the evaluation text is every item of the profile's suite (`onenode.eval.suite.suite_texts`), as
+text: it never goes through the submission's tokenizer. A training document is flagged when the
+bytes its tokens stand for share with it a run of 13 words: the data pipeline's `decontaminate`
+rule (`onenode.data.curation`: words are runs of `\\w`), case kept. So the check decides on what
+the shards say, not on which ids say it: the same bytes written with other ids (a merge's two
+halves for the merged token) are the same text, and a tokenizer that rewrites the evaluation text
+when it is handed it cannot hide it.
 
-Two kinds of shared run say nothing of where a text came from, and are not counted: runs that are
-mostly whitespace (at least half of a run's tokens must carry text: indentation and blank lines
-are every poem's and table's), and runs that the kit's own corpus holds outside the documents its
-offline suite holds out, in the parts the data was built from (a scene's heading repeated in
-another scene, a refrain, a quotation: every honest build of those parts trains on them).
+Each token id stands for the bytes its vocabulary entry holds, read from the vocabulary alone
+(`token_bytes`: the GPT-2 BPE's ranks, a byte-level tokenizer.json's entries through the
+byte-level alphabet, an added token's text); the end of a document, and an id with no bytes of its
+own, reads as a separator. The data's tokenizer must keep text as it is given (`rewrites_text`):
+no normalizer or pre-tokenizer that rewrites or drops text, and its encoding of the suite's text
+must give the suite's words back (what the model is evaluated on is that encoding).
+
+Billions of tokens scan in minutes: the memory-mapped shards are read in chunks (each chunk reads a
+little before and after itself, so that a run across two chunks is found by the one it starts in),
+bytes are joined, decoded and split into words, words and runs of words hashed, all vectorised
+(`numpy`), behind a table of the wanted hashes' top bits; chunks spread over the profile's CPU threads.
+
+Two kinds of shared run say nothing of where a text came from, and are not counted: runs of
+whitespace (indentation and blank lines are every poem's and table's: words never hold
+whitespace), and runs that the kit's own corpus holds outside the documents its offline suite
+holds out, in the parts the data was built from (a scene's heading repeated in another scene, a
+refrain, a quotation: every honest build of those parts trains on them).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import unicodedata
 from concurrent.futures import ProcessPoolExecutor
 from functools import cache
 from pathlib import Path
@@ -29,10 +43,20 @@ from .audit import Check
 from .intake import A2Submission
 
 NGRAM_WORDS = 13  # the data pipeline's `decontaminate` n-gram, in words
-CHUNK_TOKENS = 1 << 22  # tokens hashed at a time (a few hundred MB of temporaries)
+CHUNK_TOKENS = 1 << 20  # tokens scanned at a time (a few hundred MB of temporaries)
+CHUNK_BYTES = 1 << 24  # at most as many bytes at a time (a crafted vocabulary's entries may be long)
+SEPARATOR = b"\x00"  # what a document's end and an id without bytes of its own read as: no word
 _BASE = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
 _TABLE_BITS = 26  # the lookup table: one byte per value of a hash's top 26 bits (64 MiB)
+_FORMS = ("NFC", "NFD", "NFKC", "NFKD")  # the Unicode forms a tokenizer's normalizer may give text
+_WORD = re.compile(r"\w+")
 
+
+class TokenizerUnreadable(ValueError):
+    """The bytes of a tokenizer's ids cannot be read from its vocabulary."""
+
+
+# --- hashing ---------------------------------------------------------------------------------------
 
 def _powers(base: int, count: int) -> np.ndarray:
     """base**0 .. base**(count - 1) modulo 2**64."""
@@ -41,6 +65,18 @@ def _powers(base: int, count: int) -> np.ndarray:
     if count > 1:
         out[1:] = np.cumprod(np.full(count - 1, base, dtype=np.uint64))  # uint64 products wrap modulo 2**64
     return out
+
+
+_UP = _DOWN = np.ones(1, dtype=np.uint64)
+
+
+def _power_tables(count: int) -> tuple[np.ndarray, np.ndarray]:
+    """B**i and B**-i for i < count (at least; grown by doubling, kept)."""
+    global _UP, _DOWN
+    if len(_UP) < count:
+        size = max(count, 2 * len(_UP))
+        _UP, _DOWN = _powers(_BASE, size), _powers(pow(_BASE, -1, 2**64), size)
+    return _UP, _DOWN
 
 
 def sorted_unique(values: np.ndarray) -> np.ndarray:
@@ -58,23 +94,184 @@ def in_sorted(values: np.ndarray, table: np.ndarray) -> np.ndarray:
     return table[np.minimum(np.searchsorted(table, values), len(table) - 1)] == values
 
 
-@cache
-def _power_tables(count: int) -> tuple[np.ndarray, np.ndarray]:
-    """B**i and B**-i for i < count."""
-    return _powers(_BASE, count), _powers(pow(_BASE, -1, 2**64), count)
-
-
-def ngram_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
-    """A 64-bit polynomial hash of each of the len(tokens) - n + 1 runs of n consecutive tokens:
-    prefix sums of t_i * B**i, differenced and shifted back by B**-i (arithmetic modulo 2**64)."""
-    count = len(tokens) - n + 1
+def ngram_hashes(values: np.ndarray, n: int) -> np.ndarray:
+    """A 64-bit polynomial hash of each of the len(values) - n + 1 runs of n consecutive values:
+    prefix sums of v_i * B**i, differenced and shifted back by B**-i (arithmetic modulo 2**64)."""
+    count = len(values) - n + 1
     if count <= 0:
         return np.empty(0, dtype=np.uint64)
-    up, down = _power_tables(max(CHUNK_TOKENS + n, len(tokens)))
-    prefix = np.zeros(len(tokens) + 1, dtype=np.uint64)
-    np.cumsum(np.asarray(tokens, dtype=np.uint64) * up[:len(tokens)], out=prefix[1:])
+    up, down = _power_tables(len(values))
+    prefix = np.zeros(len(values) + 1, dtype=np.uint64)
+    np.cumsum(np.asarray(values, dtype=np.uint64) * up[:len(values)], out=prefix[1:])
     return (prefix[n:] - prefix[:count]) * down[:count]
 
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a word's hash as a run's value, unrelated to its letters' polynomial."""
+    x = x ^ (x >> np.uint64(30))
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+# --- text as characters and words --------------------------------------------------------------------
+
+@cache
+def _word_characters() -> np.ndarray:
+    """Per code point: whether `\\w` matches it (alphanumeric, or `_`), as `curation.words` splits."""
+    table = np.fromiter((chr(c).isalnum() for c in range(0x110000)), dtype=bool, count=0x110000)
+    table[ord("_")] = True
+    return table
+
+
+def code_points(data: bytes) -> np.ndarray:
+    """The characters of UTF-8 `data`; a byte that is no part of a valid character is one
+    non-word character of its own (Python's `surrogateescape`)."""
+    return np.frombuffer(data.decode("utf-8", "surrogateescape").encode("utf-32-le", "surrogatepass"), np.uint32)
+
+
+def text_code_points(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+
+
+def words(chars: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each word of `chars` (a maximal run of word characters): its first character, its end
+    (exclusive) and its hash."""
+    edges = np.flatnonzero(np.diff(_word_characters()[chars], prepend=False, append=False))
+    starts, ends = edges[0::2], edges[1::2]
+    if not len(starts):
+        return starts, ends, np.empty(0, dtype=np.uint64)
+    up, down = _power_tables(len(chars))
+    weighted = np.zeros(len(chars) + 1, dtype=np.uint64)  # a last 0, so that a word may end at the end
+    np.multiply(chars, up[:len(chars)], out=weighted[:-1], casting="unsafe")
+    sums = np.add.reduceat(weighted, edges)[0::2]  # each word's characters x B**i
+    return starts, ends, _mix(sums * down[starts])
+
+
+def text_ngrams(texts: list[str], n: int = NGRAM_WORDS) -> np.ndarray:
+    """The hashes of every run of `n` consecutive words of each text (none across two texts),
+    sorted, unique; the texts also in each Unicode form a tokenizer's normalizer may give them."""
+    texts = list(texts) + [unicodedata.normalize(form, text) for text in texts if not text.isascii()
+                           for form in _FORMS]
+    if not texts:
+        return np.empty(0, dtype=np.uint64)
+    chars = text_code_points("\x00".join(texts))
+    ends_of_texts = np.cumsum([len(text) + 1 for text in texts])
+    starts, _, hashes = words(chars)
+    runs = ngram_hashes(hashes, n)
+    text_of = np.searchsorted(ends_of_texts, starts, side="right")
+    return sorted_unique(runs[text_of[:len(runs)] == text_of[n - 1:]])
+
+
+# --- the bytes of token ids ---------------------------------------------------------------------------
+
+@cache
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (`tokenizers`' ByteLevel): the character each byte is written as
+    in a vocabulary: printable Latin-1 bytes as themselves, the others as 256, 257, ..."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    alphabet, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(256 + extra)] = byte
+            extra += 1
+    return alphabet
+
+
+def tokenizer_json(tokenizer) -> dict | None:
+    """The tokenizer.json of a `tokenizers`-backed tokenizer (a JsonBPE's, a fast transformers
+    tokenizer's backend); None for the GPT-2 BPE (tiktoken)."""
+    from onenode.data.tokenizer import TiktokenGPT2
+
+    if isinstance(tokenizer, TiktokenGPT2):
+        return None
+    backend = getattr(tokenizer, "_tok", None)
+    backend = getattr(backend, "backend_tokenizer", backend)
+    if not hasattr(backend, "to_str"):
+        raise TokenizerUnreadable(f"tokenizer {tokenizer.name!r} has no tokenizer.json to read its vocabulary from "
+                                  "(use a fast tokenizer)")
+    return json.loads(backend.to_str())
+
+
+def _kinds(component) -> list[dict]:
+    """A normalizer's or pre-tokenizer's steps (a Sequence's members, recursively)."""
+    if not isinstance(component, dict):
+        return []
+    members = component.get("normalizers") or component.get("pretokenizers")
+    return [step for member in members for step in _kinds(member)] if members is not None else [component]
+
+
+def _byte_fallback(piece: str) -> int | None:
+    return int(piece[3:5], 16) if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">") else None
+
+
+def token_bytes(tokenizer) -> list[bytes]:
+    """Per token id, the bytes it stands for, read from the vocabulary alone: the GPT-2 BPE's ranks;
+    a tokenizer.json's entries through the byte-level alphabet (a byte-level tokenizer) or as text
+    with `▁` a space and `<0xNN>` byte fallbacks (SentencePiece-like ones); an added token's text.
+    The end of a document (the EOS id), an entry the alphabet cannot write and an id without an
+    entry read as SEPARATOR (the list ends with one, for ids past the vocabulary)."""
+    spec = tokenizer_json(tokenizer)
+    if spec is None:  # tiktoken: the ranks file holds each id's bytes
+        from tiktoken.load import load_tiktoken_bpe
+
+        ranks = load_tiktoken_bpe(str(tokenizer._file))
+        table = [SEPARATOR] * (max(max(ranks.values()) + 1, tokenizer.vocab_size) + 1)
+        for piece, rank in ranks.items():
+            table[rank] = piece
+        table[tokenizer.eos_id] = SEPARATOR
+        return table
+    model = spec.get("model") or {}
+    vocab = model.get("vocab") or {}
+    entries = {piece: i for i, (piece, _) in enumerate(vocab)} if isinstance(vocab, list) else dict(vocab)
+    added = {token["id"]: token["content"] for token in spec.get("added_tokens") or []}
+    size = max([*entries.values(), *added, tokenizer.eos_id, tokenizer.vocab_size - 1]) + 1
+    table: list[bytes | None] = [None] * size
+    byte_level = any(step.get("type") == "ByteLevel"
+                     for step in _kinds(spec.get("normalizer")) + _kinds(spec.get("pre_tokenizer")))
+    alphabet = byte_level_alphabet()
+    for piece, i in entries.items():
+        if byte_level:
+            table[i] = bytes(alphabet[c] for c in piece) if all(c in alphabet for c in piece) else SEPARATOR
+        elif model.get("byte_fallback") and _byte_fallback(piece) is not None:
+            table[i] = bytes([_byte_fallback(piece)])
+        else:
+            table[i] = piece.replace("▁", " ").encode("utf-8", "surrogatepass")
+    for i, content in added.items():  # the encoder writes an added token for its text wherever it occurs
+        table[i] = content.encode("utf-8", "surrogatepass")
+    table[tokenizer.eos_id] = SEPARATOR
+    return [SEPARATOR if entry is None else entry for entry in table] + [SEPARATOR]
+
+
+_KEEPS_TEXT = {"normalizer": {"NFC", "NFD", "NFKC", "NFKD", "Prepend", "Strip", "ByteLevel"},
+               "pre_tokenizer": {"ByteLevel", "Metaspace", "Split", "Punctuation", "Digits", "UnicodeScripts"}}
+
+
+def rewrites_text(tokenizer, table: list[bytes], texts: list[str]) -> str | None:
+    """Why the tokenizer does not keep text as it is given, or None: a normalizer or pre-tokenizer
+    step that rewrites or drops text (a `Replace` other than SentencePiece's space to `▁`, a split
+    that removes what it matches, lower case, ...), or an encoding of one of `texts` whose bytes
+    do not give its words back (unknown tokens, stripped spaces). What a model trained on a
+    tokenizer's ids learns of a text is what the tokenizer's encoding of it says; a tokenizer that
+    rewrites the evaluation text could hold it in the shards rewritten."""
+    spec = tokenizer_json(tokenizer)
+    for part, kept in _KEEPS_TEXT.items():
+        for step in _kinds((spec or {}).get(part)):
+            kind = step.get("type")
+            space = kind == "Replace" and step.get("pattern") == {"String": " "} and step.get("content") == "▁"
+            if (kind not in kept and not space) or str(step.get("behavior", "")).lower() == "removed":
+                return f"its {part} has a {kind} step{' that removes what it matches' if kind in kept else ''}"
+    for text, ids in zip(texts, tokenizer.encode_batch(texts)):
+        got = b"".join(table[min(i, len(table) - 1)] for i in ids).decode("utf-8", "surrogateescape")
+        if _WORD.findall(unicodedata.normalize("NFKC", got)) != _WORD.findall(unicodedata.normalize("NFKC", text)):
+            return f"its encoding of the evaluation text {text[:60]!r} reads back as {got[:60]!r}"
+    return None
+
+
+# --- the scan ------------------------------------------------------------------------------------------
 
 class _Wanted:
     """The evaluation text's hashes, sorted, behind a table of their top bits (most training
@@ -94,12 +291,21 @@ class _Wanted:
         return candidates[self.hashes[at] == hashes[candidates]]
 
 
-_wanted: _Wanted | None = None  # a scanning process's copy (set by _start_worker)
+_state: tuple[_Wanted, np.ndarray, np.ndarray, np.ndarray] | None = None  # a scanning process's copy (_start_worker)
 
 
-def _start_worker(wanted: _Wanted) -> None:
-    global _wanted
-    _wanted = wanted
+def _start_worker(wanted: _Wanted, table: list[bytes]) -> None:
+    """The scan's state: the wanted hashes, and `table` as one array of bytes, where each id's start and length."""
+    global _state
+    lengths = np.array([len(entry) for entry in table], dtype=np.int64)
+    _state = wanted, np.frombuffer(b"".join(table), dtype=np.uint8), np.cumsum(lengths) - lengths, lengths
+
+
+def _bytes_of(ids: np.ndarray, flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> bytes:
+    """The bytes `ids` stand for, gathered at once (what b"".join(table[i] for i in ids) gives)."""
+    size = lengths[ids]
+    ends = np.cumsum(size)
+    return flat[np.repeat(starts[ids] - (ends - size), size) + np.arange(ends[-1] if len(ends) else 0)].tobytes()
 
 
 @cache
@@ -109,25 +315,88 @@ def _shard(prefix: Path, dtype: str):
     return Shard(prefix, np.dtype(dtype))
 
 
-def _scan(task: tuple[Path, str, int, int]) -> np.ndarray:
-    """The documents of one chunk of a shard (from token `start`) that hold a wanted run of n tokens."""
-    prefix, dtype, n, start = task
-    shard = _shard(prefix, dtype)
-    hits = _wanted.positions(ngram_hashes(shard.tokens[start:start + CHUNK_TOKENS + n - 1], n)) + start
-    return sorted_unique(np.searchsorted(shard.offsets, hits, side="right") - 1)
+def _boundary(data: bytes, at: int) -> int:
+    """The first character boundary at or after byte `at` (a UTF-8 continuation byte is inside a character)."""
+    while at < len(data) and data[at] & 0xC0 == 0x80:
+        at += 1
+    return at
 
 
-def flagged_documents(shards: dict[str, Path], dtype: str, wanted: np.ndarray, n: int,
-                      workers: int = 1) -> dict[str, int]:
-    """Per source, how many of its documents hold a run of `n` tokens whose hash is in `wanted`."""
-    tasks = [(name, (path.with_suffix(""), dtype, n, start)) for name, path in shards.items()
-             for start in range(0, max(len(_shard(path.with_suffix(""), dtype).tokens) - n + 1, 0), CHUNK_TOKENS)]
-    state = _Wanted(wanted)
+def _char_lengths(chars: np.ndarray) -> np.ndarray:
+    """Bytes each character of `code_points` came from (an escaped byte: one)."""
+    escaped = (chars >= 0xDC80) & (chars < 0xDD00)
+    return 1 + (chars >= 0x80) + (chars >= 0x800) + (chars >= 0x10000) - 2 * escaped.astype(np.int64)
+
+
+def _scan(task: tuple[Path, str, int, int, int]) -> np.ndarray:
+    """The documents of one chunk of a shard (tokens `start` to `stop`) in which a wanted run of `n`
+    words starts, read in parts of at most CHUNK_BYTES bytes (a vocabulary's entries may be long)."""
+    prefix, dtype, n, start, stop = task
+    lengths = _state[3]
+    sizes = np.cumsum(lengths[np.minimum(np.asarray(_shard(prefix, dtype).tokens[start:stop]), len(lengths) - 1)])
+    cuts = np.unique(np.searchsorted(sizes, np.arange(1, int(sizes[-1]) // CHUNK_BYTES + 1) * CHUNK_BYTES) + start)
+    edges = [start, *[int(c) for c in cuts if start < c < stop], stop]
+    found = [_scan_part(prefix, dtype, n, a, b) for a, b in zip(edges, edges[1:])]
+    return sorted_unique(np.concatenate(found))
+
+
+def _scan_part(prefix: Path, dtype: str, n: int, start: int, stop: int) -> np.ndarray:
+    """The documents in which a wanted run of `n` words starts between tokens `start` and `stop`.
+    The part is read with a few tokens before it (so that it knows whether its first word began
+    earlier: that word's runs are the part before's) and enough after it for its last runs to end
+    (grown until `n` words end past it)."""
+    wanted, flat, starts_of, lengths = _state
+    tokens = _shard(prefix, dtype).tokens
+    last = len(lengths) - 1
+
+    def ids(a: int, b: int) -> np.ndarray:
+        chunk = np.asarray(tokens[a:b])
+        return np.minimum(chunk, last) if len(chunk) and chunk.max() > last else chunk
+
+    back = 8
+    while start - back > 0 and lengths[ids(start - back, start)].sum() < 4:  # a character is at most 4 bytes
+        back *= 2
+    low, ahead = max(start - back, 0), min(1024, stop - start)
+    while True:
+        high = min(stop + ahead, len(tokens))
+        window = ids(low, high)
+        data = _bytes_of(window, flat, starts_of, lengths)
+        chars = code_points(data)
+        starts, ends, hashes = words(chars)
+        before = int(lengths[window[:start - low]].sum())  # the chunk's bytes: data[before:after]
+        after = before + int(lengths[window[start - low:stop - low]].sum())
+        first = len(data[:_boundary(data, before)].decode("utf-8", "surrogateescape"))  # its characters: first to end
+        end = len(chars) - len(data[_boundary(data, after):].decode("utf-8", "surrogateescape"))
+        complete = len(ends) if high == len(tokens) else int(np.searchsorted(ends, len(chars)))  # words that ended
+        if high == len(tokens) or complete - np.searchsorted(ends, end, side="right") >= n:
+            break
+        ahead *= 4
+    runs = ngram_hashes(hashes[:complete], n)
+    owned = np.searchsorted(starts, first), np.searchsorted(starts, end)  # runs whose first word starts in the chunk
+    hits = wanted.positions(runs[owned[0]:min(owned[1], len(runs))]) + owned[0]
+    if not len(hits):
+        return np.empty(0, dtype=np.int64)
+    char_at = np.concatenate(([0], np.cumsum(_char_lengths(chars[:starts[hits].max() + 1]))))
+    token_at = np.concatenate(([0], np.cumsum(lengths[window])))
+    at = low + np.searchsorted(token_at, char_at[starts[hits]], side="right") - 1
+    return sorted_unique(np.searchsorted(_shard(prefix, dtype).offsets, at, side="right") - 1)
+
+
+def flagged_documents(shards: dict[str, Path], dtype: str, wanted: np.ndarray, table: list[bytes],
+                      n: int = NGRAM_WORDS, workers: int = 1) -> dict[str, int]:
+    """Per source, how many of its documents hold a run of `n` words whose hash is in `wanted`,
+    their tokens read as `table`'s bytes."""
+    tasks = []
+    for name, path in shards.items():
+        size = len(_shard(path.with_suffix(""), dtype).tokens)
+        tasks += [(name, (path.with_suffix(""), dtype, n, start, min(start + CHUNK_TOKENS, size)))
+                  for start in range(0, size, CHUNK_TOKENS)]
+    state = _Wanted(wanted), table
     if workers > 1 and len(tasks) > 1:
-        with ProcessPoolExecutor(workers, initializer=_start_worker, initargs=(state,)) as pool:
+        with ProcessPoolExecutor(workers, initializer=_start_worker, initargs=state) as pool:
             found = list(pool.map(_scan, [task for _, task in tasks]))
     else:
-        _start_worker(state)
+        _start_worker(*state)
         found = [_scan(task) for _, task in tasks]
     documents: dict[str, set] = {name: set() for name in shards}
     for (name, _), docs in zip(tasks, found):
@@ -135,20 +404,9 @@ def flagged_documents(shards: dict[str, Path], dtype: str, wanted: np.ndarray, n
     return {name: len(docs) for name, docs in documents.items()}
 
 
-def text_runs(ids: np.ndarray, n: int, carries_text: np.ndarray) -> np.ndarray:
-    """The hashes of the runs of `n` tokens of `ids` in which at least half the tokens carry text
-    (`carries_text[id]`: the token decodes to more than whitespace)."""
-    hashes = ngram_hashes(ids, n)
-    counts = np.concatenate([[0], np.cumsum(carries_text[ids])])
-    return hashes[(counts[n:] - counts[:len(hashes)]) * 2 >= n]
+# --- what is not counted -------------------------------------------------------------------------------
 
-
-def carries_text(tokenizer) -> np.ndarray:
-    """Per token id: whether it decodes to more than whitespace."""
-    return np.array([bool(tokenizer.decode([i]).strip()) for i in range(tokenizer.vocab_size)])
-
-
-_CORPUS_RUNS: dict[tuple[str, int, tuple[str, ...]], np.ndarray] = {}
+_CORPUS_RUNS: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}
 
 
 def corpus_parts(manifest: dict) -> tuple[str, ...]:
@@ -160,23 +418,24 @@ def corpus_parts(manifest: dict) -> tuple[str, ...]:
                          if isinstance(spec, dict) and spec.get("kind") == "corpus" and spec.get("part") in PARTS}))
 
 
-def corpus_runs(tokenizer, n: int, parts: tuple[str, ...]) -> np.ndarray:
-    """The runs of `n` tokens that `parts` of the kit's corpus hold outside the documents the
-    offline suite holds out (sorted, unique; computed once per tokenizer)."""
+def corpus_runs(n: int, parts: tuple[str, ...]) -> np.ndarray:
+    """The runs of `n` words that `parts` of the kit's corpus hold outside the documents the
+    offline suite holds out (sorted, unique; computed once)."""
     from onenode.data.build import is_validation
     from onenode.data.corpus import corpus_part
     from onenode.eval.suite import HELDOUT_FRACTION
 
-    key = (tokenizer.content_hash(), n, parts)
+    key = (n, parts)
     if key not in _CORPUS_RUNS:
         texts = []
         for part in parts:
             with corpus_part(part).open(encoding="utf-8") as f:
                 texts += [d["text"] for d in map(json.loads, f) if not is_validation(d["text"], HELDOUT_FRACTION)]
-        runs = [ngram_hashes(np.asarray(ids), n) for ids in tokenizer.encode_batch(texts)]
-        _CORPUS_RUNS[key] = sorted_unique(np.concatenate(runs + [np.empty(0, dtype=np.uint64)]))
+        _CORPUS_RUNS[key] = text_ngrams(texts, n)
     return _CORPUS_RUNS[key]
 
+
+# --- the check -----------------------------------------------------------------------------------------
 
 def data_tokenizer(data: Path, manifest: dict):
     """The tokenizer the shards were built with: data/tokenizer.json, or the one the manifest names."""
@@ -187,8 +446,8 @@ def data_tokenizer(data: Path, manifest: dict):
 
 
 def contamination(sub: A2Submission, shards: dict[str, Path], eval_texts: list[str], workers: int = 1) -> Check:
-    """Training documents of the shards the run trained on that share 13 words' worth of tokens
-    with the evaluation text; `shards` as `audit.trained_shards` verified them (none: synthetic)."""
+    """Training documents of the shards the run trained on whose bytes share 13 words with the
+    evaluation text; `shards` as `audit.trained_shards` verified them (none: synthetic)."""
     from onenode.data.shards import Shard
 
     if not shards:
@@ -197,21 +456,24 @@ def contamination(sub: A2Submission, shards: dict[str, Path], eval_texts: list[s
     tokenizer = data_tokenizer(sub.data, manifest)
     if tokenizer.content_hash() != manifest["tokenizer"]["sha256"]:
         return Check("contamination", False, "data/ holds another tokenizer than the one its shards were built with")
-    encoded = tokenizer.encode_batch(eval_texts)
-    words = sum(len(text.split()) for text in eval_texts)
-    n = max(NGRAM_WORDS, round(NGRAM_WORDS * sum(map(len, encoded)) / max(words, 1)))
-    text = carries_text(tokenizer)
-    wanted = sorted_unique(np.concatenate([text_runs(np.asarray(ids), n, text) for ids in encoded]
-                                      + [np.empty(0, dtype=np.uint64)]))
+    try:
+        table = token_bytes(tokenizer)
+    except TokenizerUnreadable as e:
+        return Check("contamination", False, f"not checked: {e}")
+    problem = rewrites_text(tokenizer, table, eval_texts)
+    if problem:
+        return Check("contamination", False, f"the data's tokenizer does not keep text as it is given ({problem}): "
+                     "the check reads the shards' bytes, so the tokenizer must not rewrite text")
+    wanted = text_ngrams(eval_texts, NGRAM_WORDS)
     parts, exempt = corpus_parts(manifest), ""
     if parts and len(wanted):
-        shared = in_sorted(wanted, corpus_runs(tokenizer, n, parts))
+        shared = in_sorted(wanted, corpus_runs(NGRAM_WORDS, parts))
         wanted = wanted[~shared]
         exempt = (f"; {int(shared.sum())} of the evaluation text's runs that the kit corpus's {', '.join(parts)} "
                   "hold outside the suite's held-out documents not counted")
-    flagged = flagged_documents(shards, manifest["dtype"], wanted, n, workers) if len(wanted) else {}
+    flagged = flagged_documents(shards, manifest["dtype"], wanted, table, NGRAM_WORDS, workers) if len(wanted) else {}
     total = sum(Shard(path.with_suffix(""), np.dtype(manifest["dtype"])).num_docs for path in shards.values())
     sources = ", ".join(f"{name}: {count}" for name, count in sorted(flagged.items(), key=lambda x: -x[1]) if count)
     return Check("contamination", not sources,
-                 f"{sum(flagged.values())} of {total} training documents share {NGRAM_WORDS} words ({n} tokens) "
+                 f"{sum(flagged.values())} of {total} training documents share {NGRAM_WORDS} words "
                  "with the evaluation text" + (f" ({sources})" if sources else "") + exempt)
