@@ -174,6 +174,34 @@ def test_incomplete_submission_is_one_line(submission):
         load_a2_submission(submission)
 
 
+
+def test_a_submission_others_could_change_while_graded_is_refused_in_one_line(submission):
+    """The grader reads a run several times (audit, replay, the copy it evaluates): the red team
+    swapped final/ between the replay's read and the evaluation's. A file or folder of it, or a
+    folder above it, that another user can write is refused; a sticky folder above (/tmp) is not."""
+    target = submission / "checkpoints" / "step_00000000" / "meta.json"
+    target.chmod(0o646)
+    with pytest.raises(SubmissionError, match=r"meta.json is writable by other users: copy the submission into a "
+                                              r"folder of the grader's own"):
+        load_a2_submission(submission)
+    target.chmod(0o644)
+    submission.parent.chmod(0o777)
+    with pytest.raises(SubmissionError, match=rf"{submission.parent} is writable by other users"):
+        load_a2_submission(submission)
+    submission.parent.chmod(0o1777)
+    assert load_a2_submission(submission).chain
+    submission.parent.chmod(0o755)
+
+
+def test_a_meta_json_loader_other_than_the_checkpoints_own_fails_the_data_order(job, submission):
+    """The audit finds the shards it hashes and scans by the last meta.json's loader; the red team
+    dropped a contaminated source from it (the trainer state's copy, which the replay compares,
+    left alone). The harness compares the two."""
+    _edit_json(_metas(submission)[-1], lambda m: m["loader"].update(edited=True))
+    checks, _ = verified(job, submission)
+    assert not checks["data order"].ok and "meta.json names another loader state" in checks["data order"].detail
+    assert checks["replay"].ok and checks["weights"].ok  # the weights are honest: only the copy lies
+
 def _claim_diloco(sub: Path) -> None:
     """The run's recipe turned to DiLoCo (two groups, a sync every checkpoint interval), each
     checkpoint's recipe hash updated to it: the chain intact, the run a DiLoCo run by its files."""

@@ -238,3 +238,31 @@ def test_text_ngrams_never_cross_two_texts():
     words = SUITE.split()
     assert len(C.text_ngrams([" ".join(words[:7]), " ".join(words[7:13])])) == 0
     assert len(C.text_ngrams([" ".join(words[:13])])) == 1
+
+
+def _run_with_final(folder: Path, tokenizer: Path | None, trained: str | None) -> SimpleNamespace:
+    """What `evaluated_tokenizer` reads of a run: final/ (with `tokenizer` as its tokenizer.json, or
+    none) and the last checkpoint's loader, naming the tokenizer hash `trained` (None: synthetic)."""
+    final = folder / "final"
+    final.mkdir(parents=True)
+    if tokenizer is not None:
+        (final / "tokenizer.json").write_text(tokenizer.read_text())
+    loader = {"settings": {"tokenizer": trained}} if trained else {"batches": 4}
+    return SimpleNamespace(checkpoint=final, chain=[SimpleNamespace(meta={"loader": loader})])
+
+
+def test_the_evaluated_tokenizer_is_the_one_trained_with_and_keeps_text(tokenizer_file, tmp_path):
+    """The red team's swap: final/'s tokenizer replaced after training by one whose normalizer
+    rewrites the suite's answers (80/80 before). Refused whether the run trained on shards (another
+    hash than its loader names) or on synthetic tokens (a tokenizer that rewrites text); the
+    tokenizer the run trained with passes, as does a synthetic run's final/ without one."""
+    honest = load_tokenizer(str(tokenizer_file)).content_hash()
+    crafted = _rewriting(tokenizer_file, tmp_path / "crafted",
+                         {"type": "Replace", "pattern": {"Regex": r"discontent"}, "content": "e"})
+    assert C.evaluated_tokenizer(_run_with_final(tmp_path / "a", tokenizer_file, honest), [SUITE]).ok
+    swapped = C.evaluated_tokenizer(_run_with_final(tmp_path / "b", crafted, honest), [SUITE])
+    assert not swapped.ok and "is not the one the run trained with" in swapped.detail
+    synthetic = C.evaluated_tokenizer(_run_with_final(tmp_path / "c", crafted, None), [SUITE])
+    assert not synthetic.ok and "does not keep text as it is given" in synthetic.detail
+    assert C.evaluated_tokenizer(_run_with_final(tmp_path / "d", None, None), [SUITE]).ok
+    assert not C.evaluated_tokenizer(_run_with_final(tmp_path / "e", None, honest), [SUITE]).ok

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .audit import Check, audit_run, trained_shards
-from .contamination import contamination
+from .contamination import contamination, evaluated_tokenizer
 from .intake import A2Submission
 from .replay import Harness, replay_checks
 
@@ -26,17 +26,17 @@ def verify_run(sub: A2Submission, profile, seed: str, harness: Harness,
     """Every check that makes a run verified, and what the replay cost: the audit (chain, budget
     by the chain, manifest, logs, schedule, replica groups, checkpoint), the shards trained on (hashed), the
     replay (initialisation, weights, final weights, data order, movement, optimizer state, logged
-    losses, spans: `replay.replay_checks`), and contamination of the shards by `eval_texts()`, the
-    profile's suite's text, read only for a run that trained on shards (None: it cannot be read
-    here, and the run has no contamination check; the caller says why)."""
+    losses, spans: `replay.replay_checks`), contamination of the shards by `eval_texts()`, the
+    profile's suite's text (None: it cannot be read here, and the run has no contamination check;
+    the caller says why), and final/'s tokenizer (`contamination.evaluated_tokenizer`)."""
     checks = audit_run(sub, profile.token_budget)
     shards, data = trained_shards(sub)
     replayed, cost = replay_checks(sub, profile, seed, harness, random_spans)
     checks += [data, *replayed]
+    texts = eval_texts() if data.ok else None
     if not data.ok:
         checks.append(Check("contamination", False, "not checked: the data trained on is not verified (see data)"))
-    else:
-        texts = eval_texts() if shards else []
-        if texts is not None:
-            checks.append(contamination(sub, shards, texts, profile.threads))
+    elif texts is not None:
+        checks.append(contamination(sub, shards, texts, profile.threads))
+    checks.append(evaluated_tokenizer(sub, texts))
     return checks, cost

@@ -477,3 +477,38 @@ def contamination(sub: A2Submission, shards: dict[str, Path], eval_texts: list[s
     return Check("contamination", not sources,
                  f"{sum(flagged.values())} of {total} training documents share {NGRAM_WORDS} words "
                  "with the evaluation text" + (f" ({sources})" if sources else "") + exempt)
+
+
+def evaluated_tokenizer(sub: A2Submission, eval_texts: list[str] | None) -> Check:
+    """Whether final/'s tokenizer, the one the evaluation reads, is the tokenizer the run trained
+    with (the hash its last checkpoint's loader names; that loader is the checkpoint's own and the
+    data's, by the replay's data order check) and keeps text as it is given (`rewrites_text`, on
+    `eval_texts`; None: not read here). A tokenizer swapped in after training, or one whose
+    normalizer rewrites the evaluation's answers, scores what the model never learnt."""
+    from onenode.data.tokenizer import TokenizerError
+    from onenode.eval.model import checkpoint_tokenizer
+
+    loader = sub.chain[-1].meta.get("loader") if sub.chain else None
+    settings = loader.get("settings") if isinstance(loader, dict) else None
+    trained = settings.get("tokenizer") if isinstance(settings, dict) else None
+    try:
+        tokenizer = checkpoint_tokenizer(sub.checkpoint)
+        found = tokenizer.content_hash()
+    except (TokenizerError, OSError, ValueError) as e:
+        if trained is None and "carries no tokenizer" in str(e):
+            return Check("tokenizer", True, "final/ carries no tokenizer (the run trained on synthetic tokens)")
+        return Check("tokenizer", False, f"final/'s tokenizer does not load ({' '.join(str(e).split())[:200]})")
+    if trained is not None and found != trained:
+        return Check("tokenizer", False, f"final/'s tokenizer (sha256 {found[:12]}) is not the one the run trained with "
+                                         f"({str(trained)[:12]}): submit final/ as `onenode train` wrote it")
+    if eval_texts is None:
+        return Check("tokenizer", True, "final/'s tokenizer is the one the run trained with (whether it keeps text as "
+                                        "given is checked where the suite's text is read)")
+    try:
+        problem = rewrites_text(tokenizer, token_bytes(tokenizer), eval_texts)
+    except TokenizerUnreadable as e:
+        return Check("tokenizer", False, f"not checked: {e}")
+    if problem:
+        return Check("tokenizer", False, f"final/'s tokenizer does not keep text as it is given ({problem}): the "
+                                         "evaluation would score text the model never saw")
+    return Check("tokenizer", True, "final/'s tokenizer is the one the run trained with and keeps text as it is given")

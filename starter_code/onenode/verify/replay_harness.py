@@ -35,7 +35,8 @@ replay.json: {"init_sha256": the recipe's seeded initialisation,
 The data is the grader's: one fresh loader on the submitted shards (or the recipe's synthetic
 tokens) is stepped through the run; its batches give each checkpoint's `next_loss`, and its
 positions are where each replayed span starts reading. The loader state a checkpoint stores is
-only compared (`loader`), never used.
+only compared (`loader`), never used; so is the copy of rank 0's in its meta.json, by which the
+audit finds the shards it hashes and scans (`audit.trained_shards`): it must be the trainer state's.
 
 `movement` is max over every weight of |end - start| / allowed, where allowed is the most any
 training of the span at the schedule's learning rates could move it (`movement_allowance`):
@@ -85,6 +86,12 @@ def loader_difference(recorded: dict, expected: dict) -> str | None:
         keys = [k for k in keys if k != "settings"] + [f"settings.{k}" for k in sorted(settings[1])
                                                         if settings[0].get(k) != settings[1].get(k)]
     return ", ".join(keys)
+
+
+def _as_json(value):
+    """`value` as a JSON file holds it (tuples as lists, keys as strings): how meta.json's loader
+    state compares with the trainer state's."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
 
 
 def relative_error(replayed: dict, recorded: dict, start: dict) -> float:
@@ -400,6 +407,9 @@ def verify(plan: dict, report: dict) -> None:
         state = {k: v.clone() for k, v in full_model_state_dict(model).items()}
         optimizer = optimizer_state(trainer)
         differences = gathered(loader_difference(stored["loader"], positions[step]))
+        if trainer.rank == 0 and _as_json(metas[index].get("loader")) != _as_json(stored["loader"]):
+            differences[0] = "; ".join(filter(None, [differences[0], "meta.json names another loader state than the "
+                                                     "checkpoint's trainer state (what the audit reads the shards by)"]))
         if report["checkpoints"]:  # the loss this checkpoint's state records for the step after the one before
             losses = stored.get("losses")
             claimed = losses[previous[0]] if isinstance(losses, list) and len(losses) > previous[0] else None
