@@ -48,8 +48,8 @@ FIXES = {
                       "own run folder, without replica_*/",
     "data": "pass the data folder the run trained on (--data DIR), unchanged since the run",
     "contamination": "rebuild the data with the `decontaminate` curation step (a2_pretrain/README.md) and train again",
-    "tokenizer": "submit final/ with the tokenizer `onenode train` put there (the data's), and train on data made with a "
-                 "tokenizer that keeps text as it is given",
+    "tokenizer": "submit final/ with the tokenizer `onenode train` put there (the data's), and train on data "
+                 "made with a tokenizer that keeps text as it is given",
 }
 
 

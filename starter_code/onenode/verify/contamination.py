@@ -499,8 +499,8 @@ def evaluated_tokenizer(sub: A2Submission, eval_texts: list[str] | None) -> Chec
             return Check("tokenizer", True, "final/ carries no tokenizer (the run trained on synthetic tokens)")
         return Check("tokenizer", False, f"final/'s tokenizer does not load ({' '.join(str(e).split())[:200]})")
     if trained is not None and found != trained:
-        return Check("tokenizer", False, f"final/'s tokenizer (sha256 {found[:12]}) is not the one the run trained with "
-                                         f"({str(trained)[:12]}): submit final/ as `onenode train` wrote it")
+        return Check("tokenizer", False, f"final/'s tokenizer (sha256 {found[:12]}) is not the one the run trained "
+                                         f"with ({str(trained)[:12]}): submit final/ as `onenode train` wrote it")
     if eval_texts is None:
         return Check("tokenizer", True, "final/'s tokenizer is the one the run trained with (whether it keeps text as "
                                         "given is checked where the suite's text is read)")

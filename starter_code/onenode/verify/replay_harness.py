@@ -408,8 +408,8 @@ def verify(plan: dict, report: dict) -> None:
         optimizer = optimizer_state(trainer)
         differences = gathered(loader_difference(stored["loader"], positions[step]))
         if trainer.rank == 0 and _as_json(metas[index].get("loader")) != _as_json(stored["loader"]):
-            differences[0] = "; ".join(filter(None, [differences[0], "meta.json names another loader state than the "
-                                                     "checkpoint's trainer state (what the audit reads the shards by)"]))
+            meta_loader = "meta.json names another loader state than the checkpoint's trainer state"
+            differences[0] = "; ".join(filter(None, [differences[0], meta_loader]))
         if report["checkpoints"]:  # the loss this checkpoint's state records for the step after the one before
             losses = stored.get("losses")
             claimed = losses[previous[0]] if isinstance(losses, list) and len(losses) > previous[0] else None
