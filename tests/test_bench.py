@@ -263,7 +263,9 @@ def test_the_bench_says_what_its_first_step_compiles_on_a_gpu(monkeypatch):
     on_gpu, _ = note(0, **{"train.precision": "bf16", "train.compile": "blocks",
                            "train.fused_update_kernel": "triton"})
     assert "compiles the layers with torch.compile" in on_gpu and "--warmup 0 measures it" in on_gpu
-    on_gpu, _ = note(**{"train.precision": "bf16", "train.compile": "blocks"})  # auto: inductor with the layers
+    on_gpu, _ = note(**{"train.precision": "bf16", "train.compile": "blocks"})  # auto: Triton's update there too
+    assert "compiles the layers with torch.compile" in on_gpu and "optimizer" not in on_gpu
+    on_gpu, _ = note(**{"train.precision": "bf16", "train.compile": "blocks", "train.fused_update_kernel": "inductor"})
     assert "the fused optimizer update and the layers" in on_gpu
     on_gpu, _ = note(**{"train.precision": "bf16", "optimizer.moments": "int8"})  # int8: inductor's update
     assert "compiles the fused optimizer update with torch.compile" in on_gpu
