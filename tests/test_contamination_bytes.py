@@ -266,3 +266,27 @@ def test_the_evaluated_tokenizer_is_the_one_trained_with_and_keeps_text(tokenize
     assert not synthetic.ok and "does not keep text as it is given" in synthetic.detail
     assert C.evaluated_tokenizer(_run_with_final(tmp_path / "d", None, None), [SUITE]).ok
     assert not C.evaluated_tokenizer(_run_with_final(tmp_path / "e", None, honest), [SUITE]).ok
+
+
+def test_a_normalized_added_token_stands_for_its_normalized_text(tokenizer_file, tmp_path):
+    """The red team's second data tokenizer: an NFKC normalizer (allowed) and added tokens whose
+    content is a fullwidth vowel, matched in the normalized text, so every plain vowel in the shards
+    is one of them; read as its content's bytes, no run of the suite matched (0 of 14 held-out
+    documents, verified). Read as what the normalizer makes of it, the suite in the shards is found."""
+    spec = json.loads(tokenizer_file.read_text())
+    spec["normalizer"] = {"type": "NFKC"}
+    model = spec["model"]
+    for a, b in model["merges"][-5:]:  # room in the vocabulary for the added tokens
+        del model["vocab"][a + b]
+    model["merges"] = model["merges"][:-5]
+    top = max(model["vocab"].values())
+    spec["added_tokens"] += [{"id": top + 1 + k, "content": chr(0xFF00 + ord(c) - 0x20), "single_word": False,
+                              "lstrip": False, "rstrip": False, "normalized": True, "special": False}
+                             for k, c in enumerate("aeiou")]
+    crafted = tmp_path / "crafted.json"
+    crafted.write_text(json.dumps(spec))
+    tokenizer = load_tokenizer(str(crafted))
+    assert tokenizer.decode(tokenizer.encode_batch([SUITE])[0]) == SUITE  # it round-trips: an honest-looking one
+    sub, shards = _data(tmp_path / "data", crafted, tokenizer.encode_batch([CLEAN, SUITE]))
+    check = C.contamination(sub, shards, [SUITE])
+    assert not check.ok and check.detail.startswith("1 of 2 training documents share 13 words")

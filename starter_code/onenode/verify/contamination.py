@@ -208,12 +208,22 @@ def _byte_fallback(piece: str) -> int | None:
     return int(piece[3:5], 16) if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">") else None
 
 
+def _normalizer(tokenizer):
+    """The tokenizer's normalizer as a function of text (the identity where it has none)."""
+    backend = getattr(tokenizer, "_tok", None)
+    backend = getattr(backend, "backend_tokenizer", backend)
+    normalizer = getattr(backend, "normalizer", None)
+    return normalizer.normalize_str if normalizer is not None else (lambda text: text)
+
+
 def token_bytes(tokenizer) -> list[bytes]:
     """Per token id, the bytes it stands for, read from the vocabulary alone: the GPT-2 BPE's ranks;
     a tokenizer.json's entries through the byte-level alphabet (a byte-level tokenizer) or as text
     with `▁` a space and `<0xNN>` byte fallbacks (SentencePiece-like ones); an added token's text.
-    The end of a document (the EOS id), an entry the alphabet cannot write and an id without an
-    entry read as SEPARATOR (the list ends with one, for ids past the vocabulary)."""
+    A `normalized` added token is matched in the normalized text, so it stands for its content as
+    the normalizer writes it (a red team's fullwidth vowels under NFKC stood for plain ones). The
+    end of a document (the EOS id), an entry the alphabet cannot write and an id without an entry
+    read as SEPARATOR (the list ends with one, for ids past the vocabulary)."""
     spec = tokenizer_json(tokenizer)
     if spec is None:  # tiktoken: the ranks file holds each id's bytes
         from tiktoken.load import load_tiktoken_bpe
@@ -227,7 +237,7 @@ def token_bytes(tokenizer) -> list[bytes]:
     model = spec.get("model") or {}
     vocab = model.get("vocab") or {}
     entries = {piece: i for i, (piece, _) in enumerate(vocab)} if isinstance(vocab, list) else dict(vocab)
-    added = {token["id"]: token["content"] for token in spec.get("added_tokens") or []}
+    added = {token["id"] for token in spec.get("added_tokens") or []}
     size = max([*entries.values(), *added, tokenizer.eos_id, tokenizer.vocab_size - 1]) + 1
     table: list[bytes | None] = [None] * size
     byte_level = any(step.get("type") == "ByteLevel"
@@ -240,8 +250,11 @@ def token_bytes(tokenizer) -> list[bytes]:
             table[i] = bytes([_byte_fallback(piece)])
         else:
             table[i] = piece.replace("▁", " ").encode("utf-8", "surrogatepass")
-    for i, content in added.items():  # the encoder writes an added token for its text wherever it occurs
-        table[i] = content.encode("utf-8", "surrogatepass")
+    normalize = _normalizer(tokenizer)
+    for token in spec.get("added_tokens") or []:  # the encoder writes an added token wherever its text occurs:
+        content = token["content"]  # in the normalized text for a `normalized` one, so it stands for that text
+        text = normalize(content) if token.get("normalized") else content
+        table[token["id"]] = text.encode("utf-8", "surrogatepass")
     table[tokenizer.eos_id] = SEPARATOR
     return [SEPARATOR if entry is None else entry for entry in table] + [SEPARATOR]
 
@@ -266,7 +279,8 @@ def rewrites_text(tokenizer, table: list[bytes], texts: list[str]) -> str | None
                 return f"its {part} has a {kind} step{' that removes what it matches' if kind in kept else ''}"
     for text, ids in zip(texts, tokenizer.encode_batch(texts)):
         got = b"".join(table[min(i, len(table) - 1)] for i in ids).decode("utf-8", "surrogateescape")
-        if _WORD.findall(unicodedata.normalize("NFKC", got)) != _WORD.findall(unicodedata.normalize("NFKC", text)):
+        forms = [text, *(unicodedata.normalize(form, text) for form in _FORMS)]  # the forms the scan looks for
+        if all(_WORD.findall(got) != _WORD.findall(form) for form in forms):
             return f"its encoding of the evaluation text {text[:60]!r} reads back as {got[:60]!r}"
     return None
 
