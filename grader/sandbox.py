@@ -638,7 +638,7 @@ def _is_descendant(pid: int, ancestor: int) -> bool:
 
 
 FREEZE_SETTLE_S = 0.01  # after every process shows stopped, before its CPU time is read
-FREEZE_SLACK_MS = 1.0  # CPU a frozen tree may show used between pause and resume (accounting's edges)
+FREEZE_SLACK_MS = 1.0  # CPU a frozen child's cgroup may count between pause and resume (the pause's own edges)
 
 
 def _cpu_used(pid: int) -> tuple[int, float] | None:
@@ -664,6 +664,18 @@ def _cpu_used(pid: int) -> tuple[int, float] | None:
     return ticks, runtime
 
 
+def _cgroup_usage(cgroup: Path | None) -> int | None:
+    """The CPU microseconds a cgroup's processes have used (`cpu.stat` usage_usec), ended ones too;
+    None without one."""
+    if cgroup is None:
+        return None
+    try:
+        line = next(ln for ln in (cgroup / "cpu.stat").read_text().splitlines() if ln.startswith("usage_usec"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1])
+
+
 def _ran_while_frozen(frozen: dict[int, tuple[int, float] | None], live: dict[int, str]) -> str | None:
     """What of a tree frozen with CPU times `frozen` ran before the tree read `live` (pid ->
     state), in one line, or None."""
@@ -675,10 +687,12 @@ def _ran_while_frozen(frozen: dict[int, tuple[int, float] | None], live: dict[in
         return f"process {awake} was running (state {live[awake]}) while the sandbox was frozen"
     for pid, before in frozen.items():
         after = _cpu_used(pid)
-        if before is None or after is None:
+        if before is None:
             continue
+        if after is None:
+            return f"process {pid} ended while the sandbox was frozen"
         ticks, runtime = after[0] - before[0], after[1] - before[1]
-        if ticks > 0 or runtime > FREEZE_SLACK_MS:
+        if ticks > 0 or runtime > 0:
             used = f"{runtime:.1f} ms" if runtime > 0 else f"{ticks} clock ticks"
             return f"process {pid} used {used} of CPU while the sandbox was frozen"
     return None
@@ -827,6 +841,7 @@ class SandboxedProcess:
         self._memory: dict[int, ProcessMemory] = {}
         self._cgroup: Path | None = None
         self._frozen: dict[int, tuple[int, float] | None] | None = None  # pid -> CPU used, from `pause`
+        self._frozen_usage: int | None = None  # the cgroup's usage_usec at `pause`
         self.filesystem_isolated = _require_sandbox()
         self.network_isolated = self.filesystem_isolated and not limits.network
         _warn_about_gaps()
@@ -1062,14 +1077,21 @@ class SandboxedProcess:
                 time.sleep(0.002)
             time.sleep(FREEZE_SETTLE_S)  # the last context switches out of the stopped tasks are accounted
             self._frozen = {pid: _cpu_used(pid) for pid in self._live()}
+            self._frozen_usage = _cgroup_usage(self._cgroup)
 
     def resume(self) -> str | None:
         """Let every process of the sandbox run again (SIGCONT). Returns None if it stayed frozen
-        since `pause`, else what ran meanwhile, in one line: a process that used CPU
-        (`_cpu_used` grew, beyond `FREEZE_SLACK_MS`), left the stopped state, or was forked."""
+        since `pause`, else what ran meanwhile, in one line: a process that used CPU (`_cpu_used`
+        grew), left the stopped state, was forked or ended (a stopped process cannot end: a burner
+        woken by a timer that exits, reaped by the kernel, before `resume` looks), or, where the child
+        has a cgroup, any CPU the cgroup counted (`cpu.stat`: the processes that came and went too)."""
         with self._lock:
             live, frozen, self._frozen = self._live(), self._frozen, None
             ran = None if frozen is None else _ran_while_frozen(frozen, live)
+            usage = _cgroup_usage(self._cgroup)
+            if ran is None and frozen is not None and None not in (usage, self._frozen_usage) \
+                    and usage - self._frozen_usage > FREEZE_SLACK_MS * 1000:
+                ran = f"its cgroup used {(usage - self._frozen_usage) / 1000:.1f} ms of CPU while it was frozen"
             for pid in live:
                 self._signal(pid, signal.SIGCONT)
             return ran

@@ -589,6 +589,31 @@ def test_resume_says_when_a_frozen_process_ran_all_the_same(scratch):
         ran = proc.resume()
     assert ran is not None and "while the sandbox was frozen" in ran and "\n" not in ran
 
+
+def test_resume_says_when_a_frozen_process_woke_and_ended_before_it_looked(scratch):
+    """The red team's second burner: woken by its timer, it burns and exits, reaped by the kernel
+    (its parent ignores SIGCHLD), so neither its CPU time nor a new pid is left at `resume`. A
+    stopped process cannot end on its own, so one that is gone says it ran."""
+    code = """
+        import os, signal
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children reaped by the kernel
+        if os.fork() == 0:
+            signal.signal(signal.SIGCONT, lambda *_: os._exit(0))  # woken: burn, then leave no trace
+            print("burner", os.getpid(), flush=True)
+            while True:
+                pass
+        signal.pause()
+    """
+    with spawn_py(code, scratch, Limits(wall_s=30, cpu_s=30)) as proc:
+        assert proc.readline(timeout=10).startswith(b"burner")
+        proc.pause()
+        burner = max(proc.pids())
+        os.kill(burner, signal.SIGCONT)
+        time.sleep(0.2)
+        assert burner not in proc.pids()
+        ran = proc.resume()
+    assert ran == f"process {burner} ended while the sandbox was frozen"
+
 def test_peak_memory_is_read_from_proc(scratch):
     code = """
         import sys
