@@ -188,8 +188,7 @@ def tokenizer_json(tokenizer) -> dict | None:
 
     if isinstance(tokenizer, TiktokenGPT2):
         return None
-    backend = getattr(tokenizer, "_tok", None)
-    backend = getattr(backend, "backend_tokenizer", backend)
+    backend = _backend(tokenizer)
     if not hasattr(backend, "to_str"):
         raise TokenizerUnreadable(f"tokenizer {tokenizer.name!r} has no tokenizer.json to read its vocabulary from "
                                   "(use a fast tokenizer)")
@@ -208,11 +207,15 @@ def _byte_fallback(piece: str) -> int | None:
     return int(piece[3:5], 16) if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">") else None
 
 
+def _backend(tokenizer):
+    """The `tokenizers` object behind a tokenizer (a JsonBPE's, a fast transformers tokenizer's), or None."""
+    backend = getattr(tokenizer, "_tok", None)
+    return getattr(backend, "backend_tokenizer", backend)
+
+
 def _normalizer(tokenizer):
     """The tokenizer's normalizer as a function of text (the identity where it has none)."""
-    backend = getattr(tokenizer, "_tok", None)
-    backend = getattr(backend, "backend_tokenizer", backend)
-    normalizer = getattr(backend, "normalizer", None)
+    normalizer = getattr(_backend(tokenizer), "normalizer", None)
     return normalizer.normalize_str if normalizer is not None else (lambda text: text)
 
 
