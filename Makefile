@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 # existing venv.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS ?= hf,data,hub,eval,course,dev,megatron,float8
+EXTRAS ?= hf,data,hub,eval,course,dev,megatron,float8,diloco
 # The versions CI tests: every package of the extras above and torch's own, pinned (`make lock`).
 # `make setup` installs under them as constraints, except the torch line: torch comes from TORCH_SPEC,
 # so a GPU node keeps its CUDA build. The lock holds no CUDA package (nvidia-*, triton), only what a

@@ -30,9 +30,9 @@ from grader.cohort import grade_cohort
 from grader.errors import SubmissionError
 from grader.rubric import KIT_ROOT
 from grader.sandbox import Limits, make_scratch, run_sandboxed
-from onenode.verify.audit import DILOCO_NOT_REPLAYED, audit_run, trained_shards
+from onenode.verify.audit import audit_run, trained_shards
 from onenode.verify.contamination import contamination
-from onenode.verify.replay import _replayed, replay_checks
+from onenode.verify.replay import _replayed
 
 PASSAGE = ("Now is the winter of our discontent made glorious summer by this sun of York and all the clouds "
            "that lour'd upon our house in the deep bosom of the ocean buried")
@@ -217,21 +217,27 @@ def _claim_diloco(sub: Path) -> None:
         _edit_json(meta, lambda m: m.update(training_sha256=claimed))
 
 
-def test_a_diloco_run_is_not_verified_and_told_what_to_do(job, submission):
-    """The replay cannot take DiLoCo's outer steps: such a run fails the audit in one line that says
-    what to do, and the replay is not attempted."""
+def test_a_plain_run_claimed_as_diloco_is_not_verified(job, submission):
+    """A plain run's files claimed as a DiLoCo run of two groups: without replica_1/ the audit
+    refuses it in one line that says what to hand in; with group 0's own folder copied in as
+    replica_1/ (its manifest naming group 1) the audit's file checks pass, and the grader, reading
+    each group's slice of the data and taking the outer steps, gets none of the chain back. (A
+    real DiLoCo run verified, and one hiding a group: tests/test_diloco_launch.py, with torchft.)"""
     _claim_diloco(submission)
-    sub = load_a2_submission(submission)
-    failed = {c.name: c.detail for c in audit_run(sub, token_budget=BUDGET) if not c.ok}
-    assert failed == {"replica groups": DILOCO_NOT_REPLAYED}, failed
-    assert DILOCO_NOT_REPLAYED.startswith("the grader cannot replay DiLoCo's outer steps yet: ")
-    assert "parallel.diloco.inner_steps: 0" in DILOCO_NOT_REPLAYED
-
-    def no_replay(spans):
-        raise AssertionError("a DiLoCo run was handed to the replay harness")
-    checks, cost = replay_checks(sub, job.profile, "0", no_replay)
-    assert [(c.name, c.ok, c.detail) for c in checks] == [
-        ("replay", False, "not replayed: the recipe trains DiLoCo (see replica groups)")] and cost == {}
+    failed = {c.name: c.detail for c in audit_run(load_a2_submission(submission), BUDGET) if not c.ok}
+    assert list(failed) == ["replica groups"] and failed["replica groups"].startswith(
+        "recipe.yaml trains 2 DiLoCo replica groups, so the run folder holds replica_1/"), failed
+    group = submission / "replica_1"
+    group.mkdir()
+    for name in ("checkpoints", "metrics.jsonl", "run_manifest.json"):
+        (shutil.copytree if name == "checkpoints" else shutil.copy2)(submission / name, group / name)
+    _edit_json(group / "run_manifest.json", lambda m: m.update(diloco={"replica_group": 1}))
+    for path in (submission / "run_manifest.json", submission / "final" / "run_manifest.json"):
+        _edit_json(path, lambda m: m.update(diloco={"replica_group": 0}))
+    assert "replica groups" not in _failed(audit_run(load_a2_submission(submission), BUDGET))
+    checks, _ = verified(job, submission)
+    assert {"data order", "logged losses", "replay"} <= _failed(checks.values()), \
+        {name: check.detail for name, check in checks.items()}
 
 
 def test_another_replica_group_without_a_diloco_recipe_fails_in_one_line(submission):

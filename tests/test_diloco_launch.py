@@ -5,6 +5,7 @@ run with `srun`, `scontrol` and python stubbed)."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -31,29 +32,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-@pytest.mark.dist
-def test_two_nodes_of_the_launcher_train_one_diloco_run(tmp_path):
-    """Both groups finish the budget, each on its own half of the tokens, and end with the same model
-    (the last sync's): the lighthouse came up on group 0's node and the groups met there."""
-    pytest.importorskip("torchft", reason="DiLoCo runs through torchft: pip install 'onenode[diloco]'")
-    out, port = tmp_path / "run", _free_port()
-    nodes = []
+def _launch(tmp_path: Path, out: Path, overrides: dict, env: dict | None = None) -> tuple[list[int], list[str]]:
+    """Two "nodes" of `cluster/train_diloco.sh`, one replica group each, to the end: their exit codes
+    and logs."""
+    port, nodes = _free_port(), []
     for replica in range(2):
-        env = {**os.environ, "PYTHON": sys.executable, "NNODES": "2", "NODE_RANK": str(replica), "NPROC": "1",
-               "LIGHTHOUSE_HOST": "localhost", "LIGHTHOUSE_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        node_env = {**os.environ, **(env or {}), "PYTHON": sys.executable, "NNODES": "2", "NODE_RANK": str(replica),
+                    "NPROC": "1", "LIGHTHOUSE_HOST": "localhost", "LIGHTHOUSE_PORT": str(port), "OMP_NUM_THREADS": "1"}
         for key in ("REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(key, None)
+            node_env.pop(key, None)
         log = (tmp_path / f"node{replica}.log").open("w")
         nodes.append(subprocess.Popen(["bash", str(ROOT / "cluster" / "train_diloco.sh"), str(TINY), "--out",
-                                       str(out), *_sets(SMALL)], env=env, stdout=log, stderr=subprocess.STDOUT))
+                                       str(out), *_sets(overrides)], env=node_env, stdout=log,
+                                      stderr=subprocess.STDOUT))
     try:
         codes = [node.wait(timeout=300) for node in nodes]
     finally:
         for node in nodes:
             if node.poll() is None:
                 node.kill()
-    logs = [(tmp_path / f"node{r}.log").read_text() for r in range(2)]
+    return codes, [(tmp_path / f"node{r}.log").read_text() for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_nodes_of_the_launcher_train_one_diloco_run(tmp_path):
+    """Both groups finish the budget, each on its own half of the tokens, and end with the same model
+    (the last sync's): the lighthouse came up on group 0's node and the groups met there."""
+    pytest.importorskip("torchft", reason="DiLoCo runs through torchft: pip install 'onenode[diloco]'")
+    out = tmp_path / "run"
+    codes, logs = _launch(tmp_path, out, SMALL)
     assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert "torchft lighthouse at" in logs[0] and "torchft lighthouse at" not in logs[1]
     folders = [out, out / "replica_1"]
@@ -68,6 +76,100 @@ def test_two_nodes_of_the_launcher_train_one_diloco_run(tmp_path):
     weights = [json.loads((folder / "checkpoints" / "step_00000004" / "meta.json").read_text())["weights_sha256"]
                for folder in folders]
     assert weights[0] == weights[1]  # the same model after the last sync
+
+
+# -- the grader's verification of a DiLoCo run -----------------------------------------------------
+
+
+def _as_one_group(sub: Path) -> None:
+    """Group 0's files of a DiLoCo run handed in as a run of one group: replica_1/ gone, the recipe's
+    DiLoCo off and its global batch and budget group 0's share, every file counting group 0's tokens
+    alone and every checkpoint's recipe hash updated. Each file agrees with the others; half the
+    tokens the run trained on go uncounted."""
+    import yaml
+
+    shutil.rmtree(sub / "replica_1")
+    recipe = yaml.safe_load((sub / "recipe.yaml").read_text())
+    recipe["parallel"]["diloco"]["inner_steps"] = 0
+    recipe["train"]["global_batch_size"] //= 2
+    recipe["train"]["token_budget"] //= 2
+    (sub / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    from onenode.train.recipe import load_recipe
+
+    claimed = load_recipe(sub / "recipe.yaml")
+    for meta in (sub / "checkpoints").glob("step_*/meta.json"):
+        _edit(meta, lambda m: m.update(training_sha256=claimed.training_sha256))
+    for manifest in (sub / "run_manifest.json", sub / "final" / "run_manifest.json"):
+        _edit(manifest, lambda m: (m.pop("diloco"), m.update(
+            recipe=claimed.to_dict(), token_budget=claimed.train.token_budget,
+            tokens_per_step=claimed.tokens_per_step, tokens_seen=m["steps"] * claimed.tokens_per_step,
+            data_tokens_served=m["steps"] * claimed.tokens_per_step)))
+    records = [json.loads(line) for line in (sub / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if "tokens" in record:
+            record["tokens"] = record["step"] * claimed.tokens_per_step
+    (sub / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _edit(path: Path, change) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_the_grader_verifies_a_diloco_run_and_one_hiding_a_group_earns_nothing(tmp_path):
+    """A DiLoCo run (two groups, H = 2, a checkpoint at every sync), handed in as `onenode pack a2`
+    copies it (replica_1/ with it), passes every check of the grader's verification: the audit of
+    both groups' chains, each group examined on its own slice, the movement bound grown by the
+    outer step, the drawn spans replayed with both groups in the sandbox on the grader's A2 stack.
+    Without replica_1/ the audit refuses it in one line. Handed in as group 0's run alone, every
+    file rewritten to count its half of the tokens, it is not verified: the audit passes and the
+    replay of its first span (a plain run's steps, no outer step) does not give its chain back."""
+    pytest.importorskip("torchft", reason="DiLoCo runs through torchft: pip install 'onenode[diloco]'")
+    from grader.a2.intake import load_submission
+    from grader.a2.job import a2_stack, new_job
+    from grader.a2.rubric import load_rubric
+    from grader.a2.scoring import verify
+    from onenode.pack import copy_a2
+    from onenode.verify.audit import audit_run
+
+    run = tmp_path / "run"  # 20 steps, 10 spans: the cpu-tiny profile replays the first, the last and one other
+    codes, logs = _launch(tmp_path, run, {**SMALL, "train.token_budget": 20 * 128, "checkpoint.export_hf": True},
+                          {"PYTHONPATH": str(a2_stack() / "starter_code")})  # as the grader's reference runs train
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    report = tmp_path / "report.ipynb"
+    report.write_text('{"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}')
+    job = new_job(load_rubric(), "cpu-tiny", tmp_path / "job", seed=0)
+
+    def checked(sub: Path) -> dict:
+        logs = tmp_path / f"{sub.name}-logs"
+        logs.mkdir()
+        checks, _ = verify(job, load_submission(sub, notebook=False), logs)
+        assert all("\n" not in check.detail for check in checks)
+        return {check.name: check for check in checks}
+
+    honest = copy_a2(run, tmp_path / "honest", report, None)
+    checks = checked(honest)
+    assert all(check.ok for check in checks.values()), [c.detail for c in checks.values() if not c.ok]
+    assert checks["replica groups"].detail.startswith("2 DiLoCo replica groups (a sync every 2 steps)")
+    assert "bit for bit" in checks["replay"].detail and "in each of the 2 replica groups" in checks["weights"].detail
+
+    missing = copy_a2(run, tmp_path / "missing", report, None)
+    shutil.rmtree(missing / "replica_1")
+    failed = {c.name: c.detail for c in audit_run(load_submission(missing, notebook=False), job.profile.token_budget)
+              if not c.ok}
+    assert list(failed) == ["replica groups"] and "it holds none: submit every group's folder" in \
+        failed["replica groups"], failed
+
+    hidden = copy_a2(run, tmp_path / "hidden", report, None)
+    _as_one_group(hidden)
+    assert not [c.detail for c in audit_run(load_submission(hidden, notebook=False), job.profile.token_budget)
+                if not c.ok]
+    checks = checked(hidden)
+    assert not checks["replay"].ok and "does not give step_00000002 back" in checks["replay"].detail, \
+        checks["replay"].detail
 
 
 def _stub_cluster(tmp_path: Path, check_line: str) -> tuple[dict, Path]:

@@ -193,8 +193,8 @@ def pack_a1(root: Path, out: Path, report: Path, handout: str | None = None, run
 
 # -- A2 ----------------------------------------------------------------------------------------
 def copy_a2(run: Path, out: Path, report: Path, data: Path | None) -> Path:
-    """The submission folder at `out`: what `run` holds of a run, `report` and `data` (without its
-    raw text, which nothing reads); no checks."""
+    """The submission folder at `out`: what `run` holds of a run (with a DiLoCo run's other replica
+    groups, `replica_*/`), `report` and `data` (without its raw text, which nothing reads); no checks."""
     out.mkdir(parents=True, exist_ok=True)
     for item in A2_RUN:
         source = run / item.name.rstrip("/")
@@ -202,6 +202,9 @@ def copy_a2(run: Path, out: Path, report: Path, data: Path | None) -> Path:
             shutil.copytree(source, out / item.name.rstrip("/"))
         elif source.is_file():
             shutil.copy2(source, out / item.name)
+    for group in sorted(run.glob("replica_*")):  # the grader replays every group's chain
+        if group.is_dir():
+            shutil.copytree(group, out / group.name, ignore=shutil.ignore_patterns("tensorboard"))
     shutil.copy2(report, out / NOTEBOOK_NAME)
     if data is not None:
         shutil.copytree(data, out / "data", ignore=shutil.ignore_patterns("text"))

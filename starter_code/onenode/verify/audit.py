@@ -113,26 +113,70 @@ def audit_run(sub: A2Submission, token_budget: int) -> list[Check]:
     return checks
 
 
-DILOCO_NOT_REPLAYED = ("the grader cannot replay DiLoCo's outer steps yet: a run of parallel.diloco is not "
-                       "verified; train the graded run as one replica group (parallel.diloco.inner_steps: 0) and "
-                       "report DiLoCo runs in the notebook")
+# What every replica group's manifest must share with group 0's: one run, counted once for all groups.
+SHARED_BY_GROUPS = ("status", "token_budget", "tokens_seen", "tokens_per_step", "steps", "data_tokens_served",
+                    "model_config", "parameters")
 
 
 def replica_groups(sub: A2Submission, recipe) -> tuple[bool, str]:
     """Whether the run is the replica groups its recipe trains. The budget counts every group's
-    tokens only through the recipe (a DiLoCo global batch spans the groups), so a run whose files
-    show another group (a `replica_*/` folder, the manifest's `diloco` replica group) while its
-    recipe trains none trained tokens the budget does not count. A DiLoCo run itself is not
-    verified: the replay cannot take its outer steps yet."""
-    folders = sorted(path.name for path in sub.root.glob("replica_*"))
+    tokens through the recipe (a DiLoCo global batch spans the groups), so every group the run
+    trained must be submitted and be the recipe's: for `parallel.diloco` with R groups, group 0's
+    folder with replica_1/ .. replica_{R-1}/ (as the trainer wrote them), each group's chain
+    linked from step 0 by the same recipe, at the same steps, holding group 0's weights at every
+    checkpoint (each falls on a sync, where the groups hold one model), its manifest naming its
+    group and counting what group 0's counts. A run whose recipe trains one group must show no
+    other (a `replica_*/` folder, the manifest's `diloco`): that group's tokens go uncounted.
+    Whether the groups trained what they claim is the replay's (`diloco_replay.py`)."""
+    folders = [group.root.name for group in sub.replicas]
     named = sub.manifest.get("diloco")
-    if recipe.parallel.diloco.inner_steps > 0:
-        return False, DILOCO_NOT_REPLAYED
-    if folders or named is not None:
-        found = f"the run holds {folders[0]}/" if folders else f"run_manifest.json names DiLoCo {named!r}"
-        return False, (f"{found}, but recipe.yaml trains one replica group (parallel.diloco.inner_steps: 0): another "
-                       "group's tokens are trained and not counted; submit the recipe the run trained with")
-    return True, "one replica group: the recipe trains no DiLoCo and the run holds no other group's folder"
+    d = recipe.parallel.diloco
+    if not d.inner_steps:
+        if folders or named is not None:
+            found = f"the run holds {folders[0]}/" if folders else f"run_manifest.json names DiLoCo {named!r}"
+            return False, (f"{found}, but recipe.yaml trains one replica group (parallel.diloco.inner_steps: 0): "
+                           "another group's tokens are trained and not counted; submit the recipe the run trained with")
+        return True, "one replica group: the recipe trains no DiLoCo and the run holds no other group's folder"
+    expected = [f"replica_{r}" for r in range(1, d.replicas)]
+    if folders != expected:
+        return False, (f"recipe.yaml trains {d.replicas} DiLoCo replica groups, so the run folder holds "
+                       f"{', '.join(f'{name}/' for name in expected)} (each group's folder as the trainer wrote it); "
+                       f"it holds {', '.join(f'{name}/' for name in folders) or 'none'}: submit every group's folder "
+                       "(`onenode pack a2` copies them)")
+    if named != {"replica_group": 0}:
+        return False, (f"run_manifest.json names replica group {named!r}, not {{'replica_group': 0}}: submit group "
+                       "0's run folder, with the other groups' in it")
+    steps = [link.step for link in sub.chain]
+    layout = sub.chain[-1].meta.get("layout") if sub.chain else None
+    for group in sub.replicas:
+        where = f"{group.root.name}/"
+        manifest = group.manifest
+        if manifest is None:
+            return False, f"{where} has no run_manifest.json: submit the group's folder as the trainer wrote it"
+        if manifest.get("diloco") != {"replica_group": group.index}:
+            return False, f"{where}run_manifest.json names replica group {manifest.get('diloco')!r}, not {group.index}"
+        differs = [key for key in SHARED_BY_GROUPS if manifest.get(key) != sub.manifest.get(key)]
+        if differs:
+            return False, (f"{where}run_manifest.json differs from group 0's in {', '.join(differs)}: the groups of "
+                           "one run train the same steps and count every group's tokens alike")
+        broken = chain_problem(group.chain, recipe.training_sha256)
+        if broken:
+            return False, f"{where}: {broken}"
+        if [link.step for link in group.chain] != steps:
+            return False, (f"{where}checkpoints/ holds steps {[link.step for link in group.chain]}, group 0's "
+                           f"{steps}: every group checkpoints at the same syncs")
+        apart = next((link for link, ours in zip(group.chain, sub.chain) if link.weights != ours.weights), None)
+        if apart is not None:
+            return False, (f"{where}checkpoints/{apart.path.name} holds other weights than group 0's at that step: "
+                           "a checkpoint falls on a sync, where every group holds the same model")
+        if group.chain[-1].meta.get("layout") != layout:
+            return False, f"{where} trained on another layout than group 0 (meta.json's layout): the replay needs one"
+        if (group.chain[-1].meta.get("loader") or {}).get("settings") != \
+                (sub.chain[-1].meta.get("loader") or {}).get("settings"):
+            return False, f"{where} read other data than group 0 (meta.json's loader settings): one run, one data"
+    return True, (f"{d.replicas} DiLoCo replica groups (a sync every {d.inner_steps} steps), each group's chain of "
+                  f"{len(steps)} checkpoints linked from step 0 and holding group 0's weights at every sync, each "
+                  f"manifest counting the run's {sub.manifest.get('tokens_seen')} tokens, every group's")
 
 
 def logged_schedule(records: list[dict], recipe) -> tuple[bool, str]:

@@ -44,8 +44,8 @@ FIXES = {
     "schedule": "submit the metrics.jsonl the trainer wrote; keep the recipe's schedule for the whole run",
     "checkpoint": "submit the final/ the trainer exported, with the recipe it trained",
     "final manifest": "submit final/ and run_manifest.json as the trainer wrote them",
-    "replica groups": "train the graded run as one replica group (parallel.diloco.inner_steps: 0) and submit its "
-                      "own run folder, without replica_*/",
+    "replica groups": "submit group 0's run folder with every other group's replica_*/ in it, as the trainer "
+                      "wrote them (`onenode pack a2` copies them); a run of one group holds none",
     "data": "pass the data folder the run trained on (--data DIR), unchanged since the run",
     "contamination": "rebuild the data with the `decontaminate` curation step (a2_pretrain/README.md) and train again",
     "tokenizer": "submit final/ with the tokenizer `onenode train` put there (the data's), and train on data "

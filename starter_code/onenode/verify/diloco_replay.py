@@ -14,17 +14,44 @@ momentum and its inner optimizer state (bit for bit with two groups, whose sum t
 all-reduce takes in either order alike). A group hidden, or trained on other batches, or steps
 not taken, does not give it back.
 
-It runs in-process (`replay_span`); the verification does not plan it yet (`audit.replica_groups`
-refuses DiLoCo runs): `replay_span`'s docstring says what that needs.
+The verification of a DiLoCo run (`verify_groups`, which the replay harness runs for a recipe
+of `parallel.diloco`) is a plain run's, group by group, with the outer step in the bounds:
+- the audit (`audit.replica_groups`) has every group's folder, its chain linked alike and its
+  weights group 0's at every checkpoint;
+- every group's chain is examined as a run's (`replay_harness.examine_chain`): each checkpoint's
+  weights hashed, its data position against the grader's on that group's slice, its inner
+  optimizer state judged as one run's, its loss on the grader's batch of the group's next step
+  against the loss that group recorded;
+- the span's movement (`OuterBound`) is bounded by the outer step's: a window's pseudo-gradient
+  moves no weight further than the inner steps can (A), so the Nesterov step moves it at most
+  outer_lr x ((1 + momentum) x A + momentum^2 x |buffer|), the buffer's bound carried from zero at
+  step 0 (buffer <- momentum x buffer + A); the outer momentum a checkpoint stores must lie within
+  that bound, and be the same in every group;
+- the drawn spans are replayed by `replay_span`, every group's end compared.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import tempfile
+import time
 from pathlib import Path
 
-from .replay_harness import loader_difference, optimizer_state, relative_error, state_tensors
+from .replay_harness import (
+    BIAS_BUFFER,
+    MOMENT_ROUNDING,
+    _plain_name,
+    examine_chain,
+    loader_difference,
+    movement_allowance,
+    optimizer_error,
+    optimizer_state,
+    relative_error,
+    state_tensors,
+    step_allowances,
+    threads_of,
+)
 
 
 def group_folders(run: Path, replicas: int) -> list[Path]:
@@ -64,20 +91,18 @@ def _set_weights(trainer, state: dict) -> None:
         trainer.parallel.master_weights.masters_changed()
 
 
+def _inner_state(trainer) -> dict:
+    """A copy of the group's inner optimizer state's tensors (`state_tensors`)."""
+    return {k: v.clone() for k, v in state_tensors(optimizer_state(trainer)).items()}
+
+
 def replay_span(run: Path, start: str, end: str, data: Path | None = None, threads: int | None = None) -> dict:
     """Replay the DiLoCo run at `run` (group 0's folder, the others in its `replica_{r}/`; `data`: the
     data folder it trained on, None for synthetic tokens) from its checkpoints `start` to `end`
     (step folder names, a multiple of `inner_steps` apart), in one process on `threads` CPU threads
-    (default: the run's own): {"steps", "windows", "bitwise", "relative_error" (against every group's
-    `end`), "outer_momentum_bitwise", "inner_bitwise": per group, "loader": per group, None or what
-    differs from the grader's position}.
-
-    What the verification needs to plan it (not built): the intake reading every group's chain
-    (`onenode pack a2` copying `replica_*/`), the chains of all groups linked alike and their
-    weights equal at each checkpoint, the replay harness calling this for the drawn spans, and the
-    per-span checks redone for DiLoCo: a span's movement bound grown by the outer step (lr x (1 +
-    momentum) x the inner bound, plus the stored momentum's share), each group's inner optimizer
-    state bounded as one run's, and each group's logged losses on its own slice."""
+    (default: the run's own): {"steps", "windows", "seconds", "bitwise", "relative_error" (against
+    every group's `end`), "outer_momentum_bitwise", "inner_bitwise" and "inner_relative_error": per
+    group, "loader": per group, None or what differs from the grader's position}."""
     import torch
 
     from onenode.parallel.diloco import load_outer_momentum, outer_momentum, outer_optimizer, outer_step
@@ -112,8 +137,9 @@ def replay_span(run: Path, start: str, end: str, data: Path | None = None, threa
     params = dict(lead.parallel.named_parameters())
     sgd = outer_optimizer(params.values(), d.outer_lr, d.outer_momentum)
     load_outer_momentum(sgd, params.items(), momentum)
-    began = _weights(lead)
+    began, inner_began = _weights(lead), [_inner_state(trainer) for trainer in trainers]
     report = {"steps": finish - begin, "windows": (finish - begin) // d.inner_steps, "loader": loaders}
+    clock = time.perf_counter()
     for _ in range(report["windows"]):
         synced_state = _weights(lead)
         synced = {name: param.detach().clone() for name, param in params.items()}
@@ -135,12 +161,17 @@ def replay_span(run: Path, start: str, end: str, data: Path | None = None, threa
                 router.e_score_correction_bias.copy_(total / len(trainers))
         if lead.parallel.master_weights is not None:
             lead.parallel.master_weights.masters_changed()
+    report["seconds"] = time.perf_counter() - clock
     replayed, replayed_momentum = _weights(lead), outer_momentum(sgd, params.items())
-    report.update(bitwise=True, relative_error=0.0, inner_bitwise=[])
+    report.update(bitwise=True, relative_error=0.0, inner_bitwise=[], inner_relative_error=[])
     for replica, (trainer, folder) in enumerate(zip(trainers, folders)):
-        inner = weights_sha256(state_tensors(optimizer_state(trainer)))
+        inner = _inner_state(trainer)
         _, stored = load_checkpoint(folder / "checkpoints" / end, trainer.parallel, trainer.optimizer)
-        report["inner_bitwise"].append(inner == weights_sha256(state_tensors(optimizer_state(trainer))))
+        recorded_inner = _inner_state(trainer)
+        same = weights_sha256(inner) == weights_sha256(recorded_inner)
+        report["inner_bitwise"].append(same)
+        report["inner_relative_error"].append(0.0 if same else optimizer_error(inner, recorded_inner,
+                                                                               inner_began[replica]))
         recorded = _weights(trainer)
         if weights_sha256(recorded) != weights_sha256(replayed):
             report["bitwise"] = False
@@ -151,3 +182,123 @@ def replay_span(run: Path, start: str, end: str, data: Path | None = None, threa
                 torch.equal(recorded_momentum[name], replayed_momentum[name]) for name in replayed_momentum)
     scratch.cleanup()
     return report
+
+
+class OuterBound:
+    """judge(step, weights, trainer state) for group 0's chain (`replay_harness.examine_chain`): each
+    span's movement against the most its inner steps and outer steps can move the weights, and the
+    outer momentum the checkpoint stores against the most the outer steps so far can build."""
+
+    def __init__(self, trainer, recipe, lrs: list[float]):
+        self.allowances, self.lrs, self.bias_rate = step_allowances(trainer), lrs, recipe.moe.bias_update_rate
+        self.diloco = recipe.parallel.diloco
+        self.names = {_plain_name(name): name for name, _ in trainer.parallel.named_parameters()}
+        self.buffer: dict = {}  # state-dict name -> the elementwise bound on |outer momentum| (float64)
+        self.previous = None
+
+    def __call__(self, step: int, state: dict, stored: dict) -> dict:
+        import torch
+
+        from .replay_harness import movement as movement_of
+
+        d, found = self.diloco, {}
+        if self.previous is not None:
+            begin, start = self.previous
+            allowed = {}
+            for name in state:
+                total = torch.zeros_like(state[name], dtype=torch.float64)
+                bound = self.buffer.get(name, torch.zeros_like(total))
+                for window in range(begin, step, d.inner_steps):  # each outer window of the span
+                    inner = movement_allowance(self.allowances, self.lrs[window:window + d.inner_steps],
+                                               self.bias_rate)(name, start[name], state[name]).double()
+                    if name.endswith(BIAS_BUFFER) or name not in self.names:
+                        total += inner  # averaged over the groups at the sync, not stepped by the outer SGD
+                        continue
+                    total += d.outer_lr * ((1 + d.outer_momentum) * inner + d.outer_momentum ** 2 * bound)
+                    bound = d.outer_momentum * bound + inner
+                self.buffer[name] = bound
+                allowed[name] = total
+            found["movement"], found["movement_at"] = movement_of(start, state, lambda name, a, b: allowed[name])
+        momentum = (stored.get("diloco") or {}).get("outer_momentum")
+        found["optimizer"] = self.momentum_problem(momentum, step)
+        found["outer_momentum_sha256"] = weights_sha256_of(momentum)
+        self.previous = (step, state)
+        return found
+
+    def momentum_problem(self, momentum, step: int) -> str | None:
+        """Why the stored outer momentum is not one the run's outer steps can have built, or None."""
+        if not isinstance(momentum, dict):
+            return "its trainer state holds no DiLoCo outer momentum"
+        plain = {_plain_name(name): value for name, value in momentum.items()}
+        for name, value in plain.items():
+            if name not in self.names:
+                return f"its outer momentum names {name}, which is not a trained parameter"
+            bound = self.buffer.get(name)
+            over = value.double().abs() - (MOMENT_ROUNDING * bound if bound is not None else 0.0)
+            if bool((over > 0).any()):
+                return (f"its outer momentum of {name} reaches {float(value.double().abs().max()):.3g}, past what "
+                        f"{step // self.diloco.inner_steps} outer steps of the schedule's inner steps can build")
+        return None
+
+
+def weights_sha256_of(tensors) -> str | None:
+    """`weights_sha256` of a dict of tensors (None for anything else)."""
+    from onenode.train.checkpoint import weights_sha256
+
+    return weights_sha256(tensors) if isinstance(tensors, dict) else None
+
+
+def verify_groups(plan: dict, report: dict) -> None:
+    """The replay harness's work for a DiLoCo run (`replay_harness.verify`, the same plan.json and
+    replay.json, plus "groups": the per-checkpoint entries of groups 1 .. R-1, and each entry's
+    "outer_momentum_sha256"): every group's chain examined on its own slice, group 0's movement
+    and outer momentum against `OuterBound`, the drawn spans replayed with every group."""
+    import torch
+
+    import onenode
+    from onenode.train.checkpoint import full_model_state_dict, weights_sha256
+    from onenode.train.recipe import load_recipe
+    from onenode.train.schedule import lr_factor
+
+    run = Path(plan["run"])
+    recipe = load_recipe(run / "recipe.yaml")
+    data = Path(plan["data"]) if plan["data"] else None
+    folders = group_folders(run, recipe.parallel.diloco.replicas)
+    span_ends = {j for _, j in plan["spans"]}
+    chains = []
+    with tempfile.TemporaryDirectory(prefix="onenode-diloco-verify-") as scratch:
+        for replica, folder in enumerate(folders):
+            checkpoints = [folder / "checkpoints" / name for name in plan["checkpoints"]]
+            metas = [json.loads((path / "meta.json").read_text()) for path in checkpoints]
+            trainer = _group_trainer(run, recipe, replica, data, Path(scratch) / f"group-{replica}")
+            judge = lambda step, state, stored: {  # noqa: E731 (the outer momentum, the same in every group)
+                "outer_momentum_sha256": weights_sha256_of((stored.get("diloco") or {}).get("outer_momentum"))}
+            if replica == 0:
+                report["init_sha256"] = trainer.weights_sha256()
+                lrs = [recipe.optimizer.lr * lr_factor(recipe.schedule, t, trainer.total_steps)
+                       for t in range(metas[-1]["step"])]
+                judge = OuterBound(trainer, recipe, lrs)
+            entries, _ = examine_chain(trainer, checkpoints, metas, span_ends, judge)
+            chains.append(entries)
+            del trainer
+    report["checkpoints"], report["groups"] = chains[0], chains[1:]
+    final = onenode.load_pretrained(plan["final"])
+    report["final_sha256"] = weights_sha256(full_model_state_dict(final))
+    del final
+    report["spans"] = []
+    for i, j in plan["spans"]:
+        start, end = plan["checkpoints"][i], plan["checkpoints"][j]
+        entry = {"start": start, "end": end, "steps": 0, "seconds": 0.0, "bitwise": False, "relative_error": None,
+                 "optimizer_bitwise": False, "optimizer_relative_error": None}
+        try:
+            meta = json.loads((run / "checkpoints" / start / "meta.json").read_text())
+            torch.set_num_threads(threads_of(plan, meta))
+            span = replay_span(run, start, end, data, threads_of(plan, meta))
+            entry.update(steps=span["steps"], seconds=span["seconds"], bitwise=span["bitwise"],
+                         relative_error=span["relative_error"],
+                         optimizer_bitwise=all(span["inner_bitwise"]) and span["outer_momentum_bitwise"],
+                         optimizer_relative_error=max(span["inner_relative_error"]
+                                                      + [0.0 if span["outer_momentum_bitwise"] else math.inf]))
+        except Exception as e:  # this span cannot be replayed
+            entry["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        report["spans"].append(entry)

@@ -7,7 +7,7 @@ data manifest and the checkpoints' meta.json (the chain). Every later step reads
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -33,6 +33,18 @@ class Link:
 
 
 @dataclass
+class ReplicaGroup:
+    """Another replica group of a DiLoCo run (`parallel.diloco`): the folder `replica_{r}/` the
+    trainer wrote for group r > 0 under the run's, with its own chain, manifest and log."""
+
+    index: int
+    root: Path
+    chain: list[Link]
+    manifest: dict | None  # None: no run_manifest.json
+    metrics: list[dict]
+
+
+@dataclass
 class A2Submission:
     name: str
     root: Path
@@ -46,6 +58,7 @@ class A2Submission:
     manifest: dict  # run_manifest.json
     metrics: list[dict]  # metrics.jsonl, one record a line
     data_manifest: dict | None  # data/manifest.json (None: no data folder)
+    replicas: list[ReplicaGroup] = field(default_factory=list)  # every replica_*/ folder, by group (DiLoCo)
 
 
 def load_submission(path: str | Path, notebook: bool = True, data: Path | None = None) -> A2Submission:
@@ -72,7 +85,22 @@ def load_submission(path: str | Path, notebook: bool = True, data: Path | None =
     return A2Submission(root.name, root, root / "final", found["recipe.yaml"], found["run_manifest.json"],
                         found["metrics.jsonl"], notebook_path if notebook_path.is_file() else None, data,
                         read_chain(root / "checkpoints"), read_json(found["run_manifest.json"]),
-                        read_metrics(found["metrics.jsonl"]), read_json(data / "manifest.json") if data else None)
+                        read_metrics(found["metrics.jsonl"]), read_json(data / "manifest.json") if data else None,
+                        read_replicas(root))
+
+
+def read_replicas(root: Path) -> list[ReplicaGroup]:
+    """The other replica groups of a DiLoCo run: every `replica_*/` folder under `root`, by group
+    number (a folder not named replica_<number> counts as group -1, which the audit refuses)."""
+    groups = []
+    for folder in root.glob("replica_*"):
+        suffix = folder.name.removeprefix("replica_")
+        manifest = folder / "run_manifest.json"
+        metrics = folder / "metrics.jsonl"
+        groups.append(ReplicaGroup(int(suffix) if suffix.isdigit() else -1, folder, read_chain(folder / "checkpoints"),
+                                   read_json(manifest) if manifest.is_file() else None,
+                                   read_metrics(metrics) if metrics.is_file() else []))
+    return sorted(groups, key=lambda group: (group.index, group.root.name))
 
 
 def read_chain(folder: Path) -> list[Link]:

@@ -224,8 +224,7 @@ def replay_checks(sub: A2Submission, profile, seed: str, harness: Harness,
     except (RecipeError, OSError):
         recipe, broken = None, "recipe.yaml does not load"
     spans, problem = ([], f"not replayed: {broken.split(':')[0]}") if broken else \
-        ([], "not replayed: the recipe trains DiLoCo (see replica groups)") if recipe.parallel.diloco.inner_steps \
-        else replay_plan(sub, profile, seed, recipe.tokens_per_step)
+        replay_plan(sub, profile, seed, recipe.tokens_per_step)
     if not problem and profile.deterministic_runs and not recipe.train.deterministic:
         problem = ("the run trained without `train.deterministic: true`: on this profile's GPUs two runs of one "
                    "recipe part after a few steps on the default kernels, so no replay can tell it from a forgery; "
@@ -239,23 +238,28 @@ def replay_checks(sub: A2Submission, profile, seed: str, harness: Harness,
     if report.get("error"):
         return [Check("replay", False, f"the replay failed: {report['error']}")], {}
     chain, recomputed = sub.chain, report["checkpoints"]
+    groups = _groups(sub, report)
+    if isinstance(groups, str):
+        return [Check("replay", False, f"the replay failed: {groups}")], {}
     checks = [Check("initialisation", recomputed[0]["weights_sha256"] == report["init_sha256"],
                     f"step_00000000 {'is' if recomputed[0]['weights_sha256'] == report['init_sha256'] else 'is NOT'} "
                     f"the recipe's seeded initialisation (re-created by the grader)")]
-    forged = next((link for link, found in zip(chain, recomputed) if link.weights != found["weights_sha256"]), None)
-    checks.append(Check("weights", forged is None, f"{forged.path.name}/meta.json records weights that are not its "
-                        "own" if forged else f"the {len(chain)} checkpoints hold the weights their chain records"))
+    forged = next(((where, link) for where, links, found, _ in groups for link, entry in zip(links, found)
+                   if link.weights != entry["weights_sha256"]), None)
+    checks.append(Check("weights", forged is None, f"{forged[0]}{forged[1].path.name}/meta.json records weights that "
+                        "are not its own" if forged else f"the {len(chain)} checkpoints hold the weights their chain "
+                        f"records{_of_every_group(groups)}"))
     final_ok = report["final_sha256"] == recomputed[-1]["weights_sha256"]
     checks.append(Check("final weights", final_ok, f"final/ {'holds' if final_ok else 'does NOT hold'} the weights of "
                         f"the chain's last checkpoint ({chain[-1].path.name})"))
-    moved = next((found for found in recomputed if found["loader"]), None)
-    checks.append(Check("data order", moved is None, f"{moved['name']}'s stored data position is not the one the "
-                        f"submitted data gives at that step ({moved['loader']}): it trained on other data or another "
-                        "order" if moved else "every checkpoint's stored data position is the one the submitted data "
-                        "gives (the grader reads its own batches either way)"))
+    moved = next(((where, entry) for where, _, found, _ in groups for entry in found if entry["loader"]), None)
+    checks.append(Check("data order", moved is None, f"{moved[0]}{moved[1]['name']}'s stored data position is not the "
+                        f"one the submitted data gives at that step ({moved[1]['loader']}): it trained on other data "
+                        "or another order" if moved else "every checkpoint's stored data position is the one the "
+                        f"submitted data gives{_of_every_group(groups)} (the grader reads its own batches either way)"))
     checks.append(Check("movement", *_movement(recomputed)))
-    checks.append(Check("optimizer state", *_optimizer_states(recomputed, recipe.train.grad_clip)))
-    checks.append(Check("logged losses", *_logged_losses(recomputed, chain, sub.metrics, profile.loss_tolerance)))
+    checks.append(Check("optimizer state", *_optimizer_states(groups, recipe.train.grad_clip)))
+    checks.append(Check("logged losses", *_logged_losses(groups, profile.loss_tolerance)))
     steps = sum(span["steps"] for span in report["spans"])
     seconds = sum(span["seconds"] for span in report["spans"])
     ok, detail = _replayed(report["spans"], chain[-1].step, profile.replay_tolerance)
@@ -286,15 +290,44 @@ def _movement(recomputed: list[dict]) -> tuple[bool, str]:
                                                 f"its learning rates allow (at most {most:.2f} of the bound)")
 
 
-def _optimizer_states(recomputed: list[dict], grad_clip: float) -> tuple[bool, str]:
+def _groups(sub: A2Submission, report: dict) -> list[tuple[str, list[Link], list[dict], list[dict]]] | str:
+    """Every replica group's (name for the feedback, chain, the harness's entries, log): the run's
+    own alone, or with a DiLoCo run's other groups (`sub.replicas`, the harness's "groups"); or
+    why the report does not cover them."""
+    groups = [("", sub.chain, report["checkpoints"], sub.metrics)]
+    others = report.get("groups", [])
+    if len(others) != len(sub.replicas):
+        return f"the harness examined {len(others)} other replica groups, the run holds {len(sub.replicas)}"
+    for group, entries in zip(sub.replicas, others):
+        groups.append((f"{group.root.name}/", group.chain, entries, group.metrics))
+    if any(len(entries) != len(chain) for _, chain, entries, _ in groups):
+        return "the harness did not examine every checkpoint of every replica group"
+    return groups
+
+
+def _of_every_group(groups: list) -> str:
+    return f", in each of the {len(groups)} replica groups" if len(groups) > 1 else ""
+
+
+def _optimizer_states(groups: list, grad_clip: float) -> tuple[bool, str]:
     """Whether every checkpoint stores an optimizer state that training of the recipe makes (the
-    state the span after it starts from)."""
-    bad = next((found for found in recomputed if found["optimizer"]), None)
-    if bad is not None:
-        return False, f"{bad['name']} stores an optimizer state no training of the recipe makes: {bad['optimizer']}"
+    state the span after it starts from), and, in a DiLoCo run, the same outer momentum in every
+    group."""
+    for where, _, recomputed, _ in groups:
+        bad = next((found for found in recomputed if found["optimizer"]), None)
+        if bad is not None:
+            return False, (f"{where}{bad['name']} stores an optimizer state no training of the recipe makes: "
+                           f"{bad['optimizer']}")
+    lead = groups[0][2]
+    for where, _, recomputed, _ in groups[1:]:
+        apart = next((found for found, ours in zip(recomputed, lead)
+                      if found.get("outer_momentum_sha256") != ours.get("outer_momentum_sha256")), None)
+        if apart is not None:
+            return False, (f"{where}{apart['name']} stores another outer momentum than group 0's: every group takes "
+                           "the same outer step")
     clip = f"gradients clipped to norm {grad_clip:g}" if grad_clip > 0 else "gradients (the recipe clips none)"
-    return True, (f"every one of the {len(recomputed)} checkpoints stores the recipe's optimizer settings, step "
-                  f"counters at its step and moments within what its steps of {clip} make")
+    return True, (f"every one of the {len(lead)} checkpoints{_of_every_group(groups)} stores the recipe's optimizer "
+                  f"settings, step counters at its step and moments within what its steps of {clip} make")
 
 
 def _loss_errors(recomputed: list[dict]) -> list[float | None]:
@@ -305,29 +338,33 @@ def _loss_errors(recomputed: list[dict]) -> list[float | None]:
             else None for found in recomputed]
 
 
-def _logged_losses(recomputed: list[dict], chain: list[Link], records: list[dict],
-                   tolerance: float) -> tuple[bool, str]:
+def _logged_losses(groups: list, tolerance: float) -> tuple[bool, str]:
     """Whether each checkpoint's loss on the grader's batch of the step after it is the loss the
     run recorded for that step: in the next checkpoint's trainer state (every step's loss) and,
-    where it has the step, in metrics.jsonl."""
-    logged = {r["step"]: r["loss"] for r in records if isinstance(r.get("step"), int)
-              and isinstance(r.get("loss"), (int, float))}
+    where it has the step, in metrics.jsonl; in a DiLoCo run each group's on its own slice, by
+    its own files."""
     in_log = 0
-    for link, found in zip(chain[:-1], recomputed[:-1]):
-        step, ours = link.step + 1, found["next_loss"]
-        claims = [("the next checkpoint's trainer state", found["stored_next_loss"])]
-        if step in logged:
-            in_log += 1
-            claims.append(("metrics.jsonl", logged[step]))
-        for where, claimed in claims:
-            if claimed is None:
-                return False, f"{where} records no loss for step {step}: submit the files the trainer wrote"
-            if not math.isclose(claimed, ours, rel_tol=tolerance):
-                return False, (f"{where} records loss {claimed:.6g} at step {step}; {link.path.name} has loss "
-                               f"{ours:.6g} on the grader's batch of that step: it trained on other data, or those "
-                               "weights are not the ones it trained")
+    for where, chain, recomputed, records in groups:
+        logged = {r["step"]: r["loss"] for r in records if isinstance(r.get("step"), int)
+                  and isinstance(r.get("loss"), (int, float))}
+        for link, found in zip(chain[:-1], recomputed[:-1]):
+            step, ours = link.step + 1, found["next_loss"]
+            state = f"the next checkpoint's trainer state{' in ' + where if where else ''}"
+            claims = [(state, found["stored_next_loss"])]
+            if step in logged:
+                in_log += 1
+                claims.append((f"{where}metrics.jsonl", logged[step]))
+            for what, claimed in claims:
+                if claimed is None:
+                    return False, f"{what} records no loss for step {step}: submit the files the trainer wrote"
+                if not math.isclose(claimed, ours, rel_tol=tolerance):
+                    return False, (f"{what} records loss {claimed:.6g} at step {step}; {where}{link.path.name} has "
+                                   f"loss {ours:.6g} on the grader's batch of that step: it trained on other data, "
+                                   "or those weights are not the ones it trained")
+    compared = sum(len(chain) - 1 for _, chain, _, _ in groups)
     return True, (f"every checkpoint's loss on the grader's batch of the next step is the one its successor's "
-                  f"trainer state records ({len(chain) - 1} compared; the log has {in_log} of those steps)")
+                  f"trainer state records{_of_every_group(groups)} ({compared} compared; the logs have {in_log} of "
+                  "those steps)")
 
 
 def _replayed(spans: list[dict], run_steps: int, tolerance: float) -> tuple[bool, str]:

@@ -368,52 +368,59 @@ def next_step_loss(trainer, micro_batches: list) -> float | None:
     return mean_over_ranks(float(torch.stack(losses).mean()), trainer.device)
 
 
-def verify(plan: dict, report: dict) -> None:
-    import torch
+def threads_of(plan: dict, meta: dict) -> int:
+    """The CPU threads a span starting at a checkpoint with `meta` runs on (they decide the bits
+    too): the run's own, unless the plan says."""
+    return int(plan["threads"] or meta["layout"]["threads"])
 
-    import onenode
+
+def plain_movement(allowances: dict, lrs: list[float], bias_rate: float):
+    """judge(step, state, stored) for `examine_chain`: each span's `movement` against what any
+    training at the schedule's learning rates `lrs` (one a step) can move the weights."""
+    previous = None
+
+    def judge(step: int, state: dict, stored: dict) -> dict:
+        nonlocal previous
+        found = {}
+        if previous is not None:
+            found["movement"], found["movement_at"] = movement(
+                previous[1], state, movement_allowance(allowances, lrs[previous[0]:step], bias_rate))
+        previous = (step, state)
+        return found
+
+    return judge
+
+
+def examine_chain(trainer, checkpoints: list[Path], metas: list[dict], span_ends: set[int],
+                  judge=None) -> tuple[list[dict], dict]:
+    """The per-checkpoint entries of replay.json for one chain, read with `trainer` (fresh: its
+    loader at the start of its data): each checkpoint loaded, its weights hashed, its stored data
+    position compared with the grader's, its optimizer state judged, its loss on the grader's
+    batch of the next step; `judge(step, weights, trainer state)` (rank 0) adds to an entry what
+    the run's kind decides (the span's movement; an "optimizer" problem of its own). And the
+    grader's data position at each checkpoint's step, where a replayed span starts reading."""
     from onenode.train.checkpoint import full_model_state_dict, load_checkpoint, weights_sha256
-    from onenode.train.recipe import load_recipe
-    from onenode.train.schedule import lr_factor
-    from onenode.train.trainer import Trainer
 
-    run = Path(plan["run"])
-    checkpoints = [run / "checkpoints" / name for name in plan["checkpoints"]]
-    metas = [json.loads((path / "meta.json").read_text()) for path in checkpoints]
-    steps = [meta["step"] for meta in metas]
-
-    def threads_of(meta: dict) -> int:  # CPU threads decide the bits too: the run's own, unless the plan says
-        return int(plan["threads"] or meta["layout"]["threads"])
-
-    torch.set_num_threads(threads_of(metas[0]))
-    overrides = {"log.tensorboard": False, "log.progress_bar": False}
-    if plan["data"]:
-        overrides.update({"data.source": "shards", "data.path": plan["data"]})
-    recipe = load_recipe(run / "recipe.yaml", overrides)
-
-    trainer = Trainer(recipe, Path("replay-init"), resume=None)
-    report["init_sha256"] = trainer.weights_sha256()
-    model, allowances = trainer.parallel.model, step_allowances(trainer)
+    model = trainer.parallel.model
     fresh = copy.deepcopy(optimizer_state(trainer))  # what the step-0 checkpoint must store
-    lrs = [recipe.optimizer.lr * lr_factor(recipe.schedule, t, trainer.total_steps) for t in range(steps[-1])]
-    positions, report["checkpoints"], previous, done = {}, [], None, 0
-    span_ends = {j for _, j in plan["spans"]}  # whose optimizer state a replay compares with its own
+    recipe, steps = trainer.recipe, [meta["step"] for meta in metas]
+    entries, positions, previous_step, done = [], {}, None, 0
     for index, (path, step) in enumerate(zip(checkpoints, steps)):
         for _ in range((step - done) * trainer.accumulation):  # the grader's batches, read to here
             next(trainer.loader)
         done = step
-        positions[step] = trainer.loader.state_dict()
+        position = positions[step] = trainer.loader.state_dict()
         _, stored = load_checkpoint(path, trainer.parallel, trainer.optimizer)  # the weights and optimizer state
         state = {k: v.clone() for k, v in full_model_state_dict(model).items()}
         optimizer = optimizer_state(trainer)
-        differences = gathered(loader_difference(stored["loader"], positions[step]))
+        differences = gathered(loader_difference(stored["loader"], position))
         if trainer.rank == 0 and _as_json(metas[index].get("loader")) != _as_json(stored["loader"]):
             meta_loader = "meta.json names another loader state than the checkpoint's trainer state"
             differences[0] = "; ".join(filter(None, [differences[0], meta_loader]))
-        if report["checkpoints"]:  # the loss this checkpoint's state records for the step after the one before
+        if entries:  # the loss this checkpoint's state records for the step after the one before
             losses = stored.get("losses")
-            claimed = losses[previous[0]] if isinstance(losses, list) and len(losses) > previous[0] else None
-            report["checkpoints"][-1]["stored_next_loss"] = claimed if isinstance(claimed, float) else None
+            claimed = losses[previous_step] if isinstance(losses, list) and len(losses) > previous_step else None
+            entries[-1]["stored_next_loss"] = claimed if isinstance(claimed, float) else None
         entry = {"name": path.name, "weights_sha256": weights_sha256(state) if trainer.rank == 0 else None,
                  "loader": "; ".join(f"rank {r}: {d}" for r, d in enumerate(differences) if d) or None,
                  "movement": None, "movement_at": None, "next_loss": None, "stored_next_loss": None,
@@ -422,18 +429,50 @@ def verify(plan: dict, report: dict) -> None:
                  "optimizer": optimizer_state_problem(optimizer, fresh, step, recipe.train.grad_clip,
                                                       recipe.optimizer.moments)
                  if trainer.rank == 0 else None}
-        if previous is not None and trainer.rank == 0:
-            span_lrs = lrs[previous[0]:step]
-            entry["movement"], entry["movement_at"] = movement(
-                previous[1], state, movement_allowance(allowances, span_lrs, recipe.moe.bias_update_rate))
+        if judge is not None and trainer.rank == 0:
+            found = judge(step, state, stored)
+            entry["optimizer"] = entry["optimizer"] or found.pop("optimizer", None)
+            entry.update(found)
         if step < steps[-1]:
             entry["next_loss"] = next_step_loss(trainer, [next(trainer.loader) for _ in range(trainer.accumulation)])
             done += 1
-        report["checkpoints"].append(entry)
-        previous = (step, state)
+        entries.append(entry)
+        previous_step = step
+    return entries, positions
+
+
+def verify(plan: dict, report: dict) -> None:
+    import torch
+
+    import onenode
+    from onenode.train.checkpoint import full_model_state_dict, weights_sha256
+    from onenode.train.recipe import load_recipe
+    from onenode.train.schedule import lr_factor
+    from onenode.train.trainer import Trainer
+
+    run = Path(plan["run"])
+    checkpoints = [run / "checkpoints" / name for name in plan["checkpoints"]]
+    metas = [json.loads((path / "meta.json").read_text()) for path in checkpoints]
+    steps = [meta["step"] for meta in metas]
+    torch.set_num_threads(threads_of(plan, metas[0]))
+    overrides = {"log.tensorboard": False, "log.progress_bar": False}
+    if plan["data"]:
+        overrides.update({"data.source": "shards", "data.path": plan["data"]})
+    recipe = load_recipe(run / "recipe.yaml", overrides)
+    if recipe.parallel.diloco.inner_steps:  # replica groups: every group's chain, the outer steps replayed
+        from .diloco_replay import verify_groups
+
+        return verify_groups(plan, report)
+
+    trainer = Trainer(recipe, Path("replay-init"), resume=None)
+    report["init_sha256"] = trainer.weights_sha256()
+    lrs = [recipe.optimizer.lr * lr_factor(recipe.schedule, t, trainer.total_steps) for t in range(steps[-1])]
+    span_ends = {j for _, j in plan["spans"]}  # whose optimizer state a replay compares with its own
+    report["checkpoints"], positions = examine_chain(trainer, checkpoints, metas, span_ends,
+                                          plain_movement(step_allowances(trainer), lrs, recipe.moe.bias_update_rate))
     final = onenode.load_pretrained(plan["final"])
     report["final_sha256"] = weights_sha256(full_model_state_dict(final))
-    del trainer, final, previous, optimizer  # the spans build their own
+    del trainer, final  # the spans build their own
 
     recomputed = [c["weights_sha256"] for c in report["checkpoints"]]
     moments = [c["optimizer_sha256"] for c in report["checkpoints"]]
@@ -443,7 +482,7 @@ def verify(plan: dict, report: dict) -> None:
                  "seconds": 0.0, "bitwise": False, "relative_error": None, "optimizer_bitwise": False,
                  "optimizer_relative_error": None}
         try:
-            torch.set_num_threads(threads_of(metas[i]))
+            torch.set_num_threads(threads_of(plan, metas[i]))
             span = Trainer(recipe, Path(f"replay-{i}"), resume=str(checkpoints[i]))
             span.loader.load_state_dict(positions[steps[i]])  # the grader's batches, not the stored position
             span.step, span.tokens_seen = steps[i], steps[i] * recipe.tokens_per_step
