@@ -203,6 +203,23 @@ def check_bubblewrap(node: Node) -> str:
                           "see docs/SECURITY.md")
 
 
+def check_cpu_cgroup(node: Node) -> str:
+    """A GPU node grades A1's timed turns: each child needs a cgroup of its own, which caps its CPU
+    time and whose usage shows CPU spent while the child was frozen for the other's turn by any of
+    its processes, ended or forked since (`SandboxedProcess.resume`); without it only the
+    per-process counters do, which a process forked and stopped again can slip past."""
+    from grader.sandbox import CGROUP_ENV, cpu_cgroup_parent
+
+    parent = cpu_cgroup_parent()
+    if parent is None:
+        raise Failed("no cgroup v2 with the cpu controller delegated to the grader: A1's timed turns cannot cap "
+                     "a child's CPU time or see all of what it ran while frozen",
+                     f"run the grader in a cgroup v2 whose cgroup.subtree_control has cpu (`systemd-run --scope "
+                     f"-p Delegate=yes make ...`, or a SLURM job with cgroup v2), or set {CGROUP_ENV}=/sys/fs/cgroup/"
+                     "DIR for one the grader may write in; see docs/SECURITY.md")
+    return f"each child gets a CPU cgroup of its own under {parent}"
+
+
 def _tree(node: Node, which: str) -> Path:
     """A copy of starter_code as the grader builds it: pristine, or with the reference patch."""
     from grader.submission import load_submission, patched_tree, pristine_tree
@@ -319,6 +336,7 @@ ITEMS = [
     Item("machine", check_machine),
     Item("gpus and nccl", check_gpus_and_nccl, gpu_only=True, needs=("machine",)),
     Item("bubblewrap", check_bubblewrap),
+    Item("cpu cgroup", check_cpu_cgroup, gpu_only=True),
     Item("starter bench", check_starter_bench, needs=("machine",)),
     Item("solution bench", check_solution_bench, needs=("machine",)),
     Item("a1 grade", check_a1_grade, needs=("machine", "bubblewrap")),

@@ -177,3 +177,20 @@ def test_the_cpu_items_pass_on_this_machine(tmp_path, monkeypatch):
     outcomes = node_check.run_items(items, Node([], "cpu-tiny", tmp_path), lines.append)
     assert [o.status for o in outcomes] == ["PASS"] * 4, "\n".join(lines)
     assert "tokens/s" in outcomes[2].detail and "bit for bit" in outcomes[3].detail
+
+
+def test_a_gpu_node_without_a_cpu_cgroup_fails_with_the_fix(tmp_path, monkeypatch):
+    """A1's timed turns on a GPU node need a CPU cgroup per child (its cap, and its usage while
+    frozen): without one delegated the item fails and says how to delegate one; with one it names it."""
+    import grader.sandbox
+
+    item = next(item for item in node_check.ITEMS if item.name == "cpu cgroup")
+    assert item.gpu_only
+    node = Node(["NVIDIA H200"], "h200x1", tmp_path)
+    monkeypatch.setattr(grader.sandbox, "cpu_cgroup_parent", lambda: None)
+    with pytest.raises(Failed) as failed:
+        item.run(node)
+    assert "no cgroup v2 with the cpu controller" in failed.value.detail
+    assert "Delegate=yes" in failed.value.fix and "ONENODE_CGROUP=" in failed.value.fix
+    monkeypatch.setattr(grader.sandbox, "cpu_cgroup_parent", lambda: tmp_path / "grader.slice")
+    assert item.run(node) == f"each child gets a CPU cgroup of its own under {tmp_path / 'grader.slice'}"
