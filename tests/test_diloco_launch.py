@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "a2_pretrain" / "recipes" / "tiny.yaml"
@@ -124,7 +125,9 @@ def test_the_grader_verifies_a_diloco_run_and_one_hiding_a_group_earns_nothing(t
     copies it (replica_1/ with it), passes every check of the grader's verification: the audit of
     both groups' chains, each group examined on its own slice, the movement bound grown by the
     outer step, the drawn spans replayed with both groups in the sandbox on the grader's A2 stack.
-    Without replica_1/ the audit refuses it in one line. Handed in as group 0's run alone, every
+    A trainer state that names another step than its checkpoint's (the step a resume would train
+    from: it picks the learning rate) fails the optimizer-state check, in group 0 too. Without
+    replica_1/ the audit refuses it in one line. Handed in as group 0's run alone, every
     file rewritten to count its half of the tokens, it is not verified: the audit passes and the
     replay of its first span (a plain run's steps, no outer step) does not give its chain back."""
     pytest.importorskip("torchft", reason="DiLoCo runs through torchft: pip install 'onenode[diloco]'")
@@ -155,6 +158,17 @@ def test_the_grader_verifies_a_diloco_run_and_one_hiding_a_group_earns_nothing(t
     assert all(check.ok for check in checks.values()), [c.detail for c in checks.values() if not c.ok]
     assert checks["replica groups"].detail.startswith("2 DiLoCo replica groups (a sync every 2 steps)")
     assert "bit for bit" in checks["replay"].detail and "in each of the 2 replica groups" in checks["weights"].detail
+
+    steered = copy_a2(run, tmp_path / "steered", report, None)  # the red team's lr steering: the stored step
+    for group in (steered, steered / "replica_1"):  # one step back, so that the next window trains a step earlier
+        state_file = group / "checkpoints" / "step_00000010" / "trainer_state_rank0.pt"
+        state = torch.load(state_file, weights_only=True)
+        state["step"] = 9
+        torch.save(state, state_file)
+    checks = checked(steered)
+    assert not checks["optimizer state"].ok and "step_00000010 stores" in checks["optimizer state"].detail and \
+        "its trainer state says step 9 at the chain's step 10" in checks["optimizer state"].detail, \
+        checks["optimizer state"].detail
 
     missing = copy_a2(run, tmp_path / "missing", report, None)
     shutil.rmtree(missing / "replica_1")

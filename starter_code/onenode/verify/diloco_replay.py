@@ -127,7 +127,7 @@ def replay_span(run: Path, start: str, end: str, data: Path | None = None, threa
         position = trainer.loader.state_dict()
         _, stored = load_checkpoint(folder / "checkpoints" / start, trainer.parallel, trainer.optimizer)
         trainer.loader.load_state_dict(position)
-        trainer.step = stored["step"]
+        trainer.step = begin  # the chain's step, never the trainer state's: it picks the learning rate
         loaders.append(loader_difference(stored["loader"], position))
         rngs.append(stored["rng"])  # each group's own process's generators
         trainers.append(trainer)
@@ -278,7 +278,7 @@ def verify_groups(plan: dict, report: dict) -> None:
                 lrs = [recipe.optimizer.lr * lr_factor(recipe.schedule, t, trainer.total_steps)
                        for t in range(metas[-1]["step"])]
                 judge = OuterBound(trainer, recipe, lrs)
-            entries, _ = examine_chain(trainer, checkpoints, metas, span_ends, judge)
+            entries, _ = examine_chain(trainer, checkpoints, metas, span_ends, judge, recipe.tokens_per_step)
             chains.append(entries)
             del trainer
     report["checkpoints"], report["groups"] = chains[0], chains[1:]

@@ -353,6 +353,20 @@ def optimizer_state_problem(stored: dict, fresh: dict, steps: int, grad_clip: fl
     return None
 
 
+def resumed_state_problem(stored: dict, step: int, tokens_per_step: int) -> str | None:
+    """What of the trainer state a span resumes from disagrees with the chain's step, or None. A
+    replay takes its step and token count from the chain, never from a student's file (the step
+    picks the learning rate's place in the schedule); the stored ones, and the count of losses
+    recorded up to it, must be the chain's all the same, or the files describe another run."""
+    off = [] if stored.get("step") == step else [f"step {stored.get('step')!r}"]
+    if stored.get("tokens_seen") != step * tokens_per_step:
+        off.append(f"{stored.get('tokens_seen')!r} tokens seen")
+    losses = stored.get("losses")
+    if not isinstance(losses, list) or len(losses) != step:
+        off.append(f"{len(losses) if isinstance(losses, list) else 'no'} recorded losses")
+    return f"its trainer state says {' and '.join(off)} at the chain's step {step}" if off else None
+
+
 def next_step_loss(trainer, micro_batches: list) -> float | None:
     """The model's training loss on one step's micro-batches (as `train_step` logs it: the mean
     over micro-batches and data-parallel ranks), without a gradient; the routers' counts of it
@@ -391,19 +405,21 @@ def plain_movement(allowances: dict, lrs: list[float], bias_rate: float):
     return judge
 
 
-def examine_chain(trainer, checkpoints: list[Path], metas: list[dict], span_ends: set[int],
-                  judge=None) -> tuple[list[dict], dict]:
+def examine_chain(trainer, checkpoints: list[Path], metas: list[dict], span_ends: set[int], judge=None,
+                  tokens_per_step: int | None = None) -> tuple[list[dict], dict]:
     """The per-checkpoint entries of replay.json for one chain, read with `trainer` (fresh: its
     loader at the start of its data): each checkpoint loaded, its weights hashed, its stored data
     position compared with the grader's, its optimizer state judged, its loss on the grader's
     batch of the next step; `judge(step, weights, trainer state)` (rank 0) adds to an entry what
-    the run's kind decides (the span's movement; an "optimizer" problem of its own). And the
+    the run's kind decides (the span's movement; an "optimizer" problem of its own);
+    `tokens_per_step`: the run's, where the trainer's is one replica group's share. And the
     grader's data position at each checkpoint's step, where a replayed span starts reading."""
     from onenode.train.checkpoint import full_model_state_dict, load_checkpoint, weights_sha256
 
     model = trainer.parallel.model
     fresh = copy.deepcopy(optimizer_state(trainer))  # what the step-0 checkpoint must store
     recipe, steps = trainer.recipe, [meta["step"] for meta in metas]
+    per_step = tokens_per_step or recipe.tokens_per_step
     entries, positions, previous_step, done = [], {}, None, 0
     for index, (path, step) in enumerate(zip(checkpoints, steps)):
         for _ in range((step - done) * trainer.accumulation):  # the grader's batches, read to here
@@ -429,10 +445,13 @@ def examine_chain(trainer, checkpoints: list[Path], metas: list[dict], span_ends
                  "optimizer": optimizer_state_problem(optimizer, fresh, step, recipe.train.grad_clip,
                                                       recipe.optimizer.moments)
                  if trainer.rank == 0 else None}
-        if judge is not None and trainer.rank == 0:
-            found = judge(step, state, stored)
-            entry["optimizer"] = entry["optimizer"] or found.pop("optimizer", None)
-            entry.update(found)
+        if trainer.rank == 0:  # a problem once found stays: a later verdict adds, never clears
+            problems = [entry["optimizer"], resumed_state_problem(stored, step, per_step)]
+            if judge is not None:
+                found = judge(step, state, stored)
+                problems.append(found.pop("optimizer", None))
+                entry.update(found)
+            entry["optimizer"] = "; ".join(filter(None, problems)) or None
         if step < steps[-1]:
             entry["next_loss"] = next_step_loss(trainer, [next(trainer.loader) for _ in range(trainer.accumulation)])
             done += 1
