@@ -14,8 +14,9 @@ momentum and its inner optimizer state (bit for bit with two groups, whose sum t
 all-reduce takes in either order alike). A group hidden, or trained on other batches, or steps
 not taken, does not give it back.
 
-The verification of a DiLoCo run (`verify_groups`, which the replay harness runs for a recipe
-of `parallel.diloco`) is a plain run's, group by group, with the outer step in the bounds:
+The verification of a DiLoCo run (`verify_groups`: `python -m onenode.verify.diloco_replay
+plan.json`, the harness `replay.harness_launch` picks for a recipe of `parallel.diloco`) is a
+plain run's, group by group, with the outer step in the bounds:
 - the audit (`audit.replica_groups`) has every group's folder, its chain linked alike and its
   weights group 0's at every checkpoint;
 - every group's chain is examined as a run's (`replay_harness.examine_chain`): each checkpoint's
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,12 +43,13 @@ from pathlib import Path
 from .replay_harness import (
     BIAS_BUFFER,
     MOMENT_ROUNDING,
-    _plain_name,
     examine_chain,
     loader_difference,
+    main,
     movement_allowance,
     optimizer_error,
     optimizer_state,
+    plain_name,
     relative_error,
     state_tensors,
     step_allowances,
@@ -192,7 +195,7 @@ class OuterBound:
     def __init__(self, trainer, recipe, lrs: list[float]):
         self.allowances, self.lrs, self.bias_rate = step_allowances(trainer), lrs, recipe.moe.bias_update_rate
         self.diloco = recipe.parallel.diloco
-        self.names = {_plain_name(name): name for name, _ in trainer.parallel.named_parameters()}
+        self.names = {plain_name(name): name for name, _ in trainer.parallel.named_parameters()}
         self.buffer: dict = {}  # state-dict name -> the elementwise bound on |outer momentum| (float64)
         self.previous = None
 
@@ -229,7 +232,7 @@ class OuterBound:
         """Why the stored outer momentum is not one the run's outer steps can have built, or None."""
         if not isinstance(momentum, dict):
             return "its trainer state holds no DiLoCo outer momentum"
-        plain = {_plain_name(name): value for name, value in momentum.items()}
+        plain = {plain_name(name): value for name, value in momentum.items()}
         for name, value in plain.items():
             if name not in self.names:
                 return f"its outer momentum names {name}, which is not a trained parameter"
@@ -249,7 +252,7 @@ def weights_sha256_of(tensors) -> str | None:
 
 
 def verify_groups(plan: dict, report: dict) -> None:
-    """The replay harness's work for a DiLoCo run (`replay_harness.verify`, the same plan.json and
+    """The replay harness's work for a DiLoCo run (as `replay_harness.verify`'s, the same plan.json and
     replay.json, plus "groups": the per-checkpoint entries of groups 1 .. R-1, and each entry's
     "outer_momentum_sha256"): every group's chain examined on its own slice, group 0's movement
     and outer momentum against `OuterBound`, the drawn spans replayed with every group."""
@@ -302,3 +305,7 @@ def verify_groups(plan: dict, report: dict) -> None:
         except Exception as e:  # this span cannot be replayed
             entry["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
         report["spans"].append(entry)
+
+
+if __name__ == "__main__":  # the replay harness of a DiLoCo run: python -m onenode.verify.diloco_replay plan.json
+    sys.exit(main(sys.argv[1], verify_groups))

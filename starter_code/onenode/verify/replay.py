@@ -54,6 +54,7 @@ from .audit import Check, chain_problem
 from .intake import A2Submission, Link
 
 HARNESS_MODULE = "onenode.verify.replay_harness"
+DILOCO_HARNESS_MODULE = "onenode.verify.diloco_replay"  # the same plan and report, every replica group's chain
 Harness = Callable[[list[tuple[int, int]]], tuple[dict, float]]  # spans -> (the harness's report, wall seconds)
 
 
@@ -164,8 +165,10 @@ def harness_plan(sub: A2Submission, final: str, spans: list[tuple[int, int]], th
 
 def harness_launch(sub: A2Submission, profile, threads: int | None) -> tuple[list[str], dict, int]:
     """The harness's command line, run in the folder of its plan.json (under torchrun with the
-    run's ranks when it had several), its environment and the CPU threads it uses: the run's own,
-    unless `threads` says."""
+    run's ranks when it had several; a DiLoCo run's harness for a recipe of `parallel.diloco`), its
+    environment and the CPU threads it uses: the run's own, unless `threads` says."""
+    from ..train.recipe import load_recipe
+
     layout = sub.chain[-1].meta["layout"]
     world = layout.get("world_size", 1)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] \
@@ -173,7 +176,8 @@ def harness_launch(sub: A2Submission, profile, threads: int | None) -> tuple[lis
     threads_used = threads or layout.get("threads") or profile.threads
     env = {"OMP_NUM_THREADS": str(threads_used), "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",
            "PYTHONHASHSEED": "0"}
-    return [*launcher, "-m", HARNESS_MODULE, "plan.json"], env, threads_used
+    module = DILOCO_HARNESS_MODULE if load_recipe(sub.recipe).parallel.diloco.inner_steps else HARNESS_MODULE
+    return [*launcher, "-m", module, "plan.json"], env, threads_used
 
 
 def harness_report(folder: Path, log: str, reason: str | None) -> dict:

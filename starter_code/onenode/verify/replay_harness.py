@@ -145,7 +145,7 @@ ROUNDING = 1.05  # slack on the bounds: float rounding of the update (and bfloat
 BIAS_BUFFER = "e_score_correction_bias"  # the routers' balancing bias: moved by the balancer, not the optimizer
 
 
-def _plain_name(name: str) -> str:
+def plain_name(name: str) -> str:
     """A parameter's name as the model's state dict spells it (without compile or checkpoint wrappers)."""
     return ".".join(part for part in name.split(".") if part not in ("_orig_mod", "_checkpoint_wrapped_module",
                                                                        "_fsdp_wrapped_module"))
@@ -156,7 +156,7 @@ def step_allowances(trainer) -> dict[str, tuple[float, float]]:
     weight decay), from the grader's own optimizer of the recipe."""
     from onenode.train.optim import Muon, muon_lr_scale, optimizers_of
 
-    names = {id(param): _plain_name(name) for name, param in trainer.parallel.model.named_parameters()}
+    names = {id(param): plain_name(name) for name, param in trainer.parallel.model.named_parameters()}
     allowances = {}
     for optimizer in optimizers_of(trainer.optimizer):
         for group in optimizer.param_groups:
@@ -478,10 +478,8 @@ def verify(plan: dict, report: dict) -> None:
     if plan["data"]:
         overrides.update({"data.source": "shards", "data.path": plan["data"]})
     recipe = load_recipe(run / "recipe.yaml", overrides)
-    if recipe.parallel.diloco.inner_steps:  # replica groups: every group's chain, the outer steps replayed
-        from .diloco_replay import verify_groups
-
-        return verify_groups(plan, report)
+    if recipe.parallel.diloco.inner_steps:
+        raise ValueError("the recipe trains DiLoCo: its replay is onenode.verify.diloco_replay's")
 
     trainer = Trainer(recipe, Path("replay-init"), resume=None)
     report["init_sha256"] = trainer.weights_sha256()
@@ -540,11 +538,13 @@ def replay_span(trainer, start: Path, end: Path, end_sha256: str, end_optimizer_
             entry["optimizer_relative_error"] = optimizer_error(moments, recorded_moments, start_moments)
 
 
-def main(plan_file: str) -> int:
+def main(plan_file: str, verify_plan=verify) -> int:
+    """Run `verify_plan` (this module's, or a DiLoCo run's `diloco_replay.verify_groups`) on the
+    plan at `plan_file`; its report goes beside it as replay.json, with "error" if it failed."""
     plan_path = Path(plan_file)
     report: dict = {}
     try:
-        verify(json.loads(plan_path.read_text()), report)
+        verify_plan(json.loads(plan_path.read_text()), report)
     except Exception as e:  # the report says why; the parent fails the run with it
         report["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         traceback.print_exc()
