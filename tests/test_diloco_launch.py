@@ -135,7 +135,7 @@ def test_the_grader_verifies_a_diloco_run_and_one_hiding_a_group_earns_nothing(t
     from grader.a2.job import a2_stack, new_job
     from grader.a2.rubric import load_rubric
     from grader.a2.scoring import verify
-    from onenode.pack import copy_a2
+    from onenode.pack import copy_a2, pack_a2
     from onenode.verify.audit import audit_run
 
     run = tmp_path / "run"  # 20 steps, 10 spans: the cpu-tiny profile replays the first, the last and one other
@@ -153,7 +153,9 @@ def test_the_grader_verifies_a_diloco_run_and_one_hiding_a_group_earns_nothing(t
         assert all("\n" not in check.detail for check in checks)
         return {check.name: check for check in checks}
 
-    honest = copy_a2(run, tmp_path / "honest", report, None)
+    packed = pack_a2(run, tmp_path / "honest", report)  # as a group hands it in
+    assert "(with DiLoCo's other replica groups: replica_1)" in packed, packed
+    honest = tmp_path / "honest"
     checks = checked(honest)
     assert all(check.ok for check in checks.values()), [c.detail for c in checks.values() if not c.ok]
     assert checks["replica groups"].detail.startswith("2 DiLoCo replica groups (a sync every 2 steps)")

@@ -242,5 +242,8 @@ def pack_a2(run: Path, out: Path, report: Path, data: Path | None = None) -> str
     if missing:
         raise HandInError(a2_incomplete(missing))
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    return (f"wrote {out}: the run of {run}, {'its data folder ' + str(data) if data else 'no data (synthetic tokens)'}"
+    groups = sorted(path.name for path in out.glob("replica_*"))
+    others = f" (with DiLoCo's other replica groups: {', '.join(groups)})" if groups else ""
+    return (f"wrote {out}: the run of {run}{others}, "
+            f"{'its data folder ' + str(data) if data else 'no data (synthetic tokens)'}"
             f" and {report.name}, {size / 2**30:.2f} GiB: hand it in as it is, as the course says")
