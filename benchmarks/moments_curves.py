@@ -6,6 +6,8 @@ only where its curve stays within it).
 
     python benchmarks/moments_curves.py OUT    # OUT holds curve-<moments>-seed<seed>/metrics.jsonl
 
+or, where only the trainer's output came back, curve-<moments>-<seed>.log (its lines `step N/T |
+... loss X | val_loss Y | ...` every log.every_steps, and `finished: ... val loss Y` at the end).
 It writes OUT/record.json and, with matplotlib, OUT/curves.png. The runs are `onenode train
 a2_pretrain/recipes/baseline.yaml` with the settings benchmarks/README.md gives (the commands go
 in the record's README beside it).
@@ -27,6 +29,27 @@ def read_curve(folder: Path) -> dict:
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [[r["step"], r["loss"]] for r in records if isinstance(r.get("loss"), (int, float))]
     val = [[r["step"], r["val_loss"]] for r in records if isinstance(r.get("val_loss"), (int, float))]
+    return summarized(train, val)
+
+
+STEP_LINE = re.compile(r"^step (\d+)/\d+ \| tokens [\d,]+ \| loss ([\d.eE+-]+)(?: \| val_loss ([\d.eE+-]+))?")
+FINISHED = re.compile(r"^finished: (\d+) steps, .* val loss ([\d.eE+-]+)")
+
+
+def read_log(path: Path) -> dict:
+    """`read_curve` from the trainer's output instead of its metrics.jsonl."""
+    train, val = [], []
+    for line in path.read_text(errors="replace").splitlines():
+        if match := STEP_LINE.match(line):
+            train.append([int(match[1]), float(match[2])])
+            if match[3]:
+                val.append([int(match[1]), float(match[3])])
+        elif (match := FINISHED.match(line)) and not (val and val[-1][0] == int(match[1])):
+            val.append([int(match[1]), float(match[2])])
+    return summarized(train, val)
+
+
+def summarized(train: list, val: list) -> dict:
     steps = max((step for step, _ in train), default=0)
     tail = [loss for step, loss in train if step > steps - TAIL_STEPS]
     return {"train": train, "val": val, "steps": steps, "tail_mean": sum(tail) / len(tail) if tail else None,
@@ -34,21 +57,28 @@ def read_curve(folder: Path) -> dict:
 
 
 def compare(curves: dict) -> dict:
-    """Each run against float32 seed 0 at the end of the run (validation loss, mean of the last
-    training losses), and whether that difference is within float32's own seed-to-seed one."""
+    """Each run against float32 seed 0 (its validation loss at the last step that it and both float32
+    runs evaluated, and the mean of its last training losses), and whether that difference is within
+    float32's own seed-to-seed one there."""
     reference, other = curves.get("float32-seed0"), curves.get("float32-seed1")
     if reference is None or other is None:
         return {}
-    noise = {key: abs(other[key] - reference[key]) for key in ("final_val", "tail_mean")
-             if other[key] is not None and reference[key] is not None}
-    out = {"noise_float32_seed1_minus_seed0": {key: other[key] - reference[key] for key in noise}}
+    out = {}
     for name, curve in curves.items():
         if name.startswith("float32"):
             continue
-        differences = {key: curve[key] - reference[key] for key in noise if curve[key] is not None}
-        out[name] = {"minus_float32_seed0": differences,
-                     "within_noise": all(abs(value) <= noise[key] for key, value in differences.items())
-                     and len(differences) == len(noise)}
+        evaluated = [dict(run["val"]) for run in (reference, other, curve)]
+        shared = max(set(evaluated[0]) & set(evaluated[1]) & set(evaluated[2]), default=None)
+        noise, differences = {}, {}
+        if shared is not None:
+            noise["val"] = evaluated[1][shared] - evaluated[0][shared]
+            differences["val"] = evaluated[2][shared] - evaluated[0][shared]
+        if curve["steps"] == reference["steps"] == other["steps"]:
+            noise["tail_mean"] = other["tail_mean"] - reference["tail_mean"]
+            differences["tail_mean"] = curve["tail_mean"] - reference["tail_mean"]
+        out[name] = {"val_step": shared, "float32_seed1_minus_seed0": noise, "minus_float32_seed0": differences,
+                     "within_noise": bool(differences) and len(differences) == 2
+                     and all(abs(differences[key]) <= abs(noise[key]) for key in differences)}
     return out
 
 
@@ -79,12 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     curves = {}
-    for folder in sorted(out.glob("curve-*-seed*")):
-        match = re.fullmatch(r"curve-(\w+)-seed(\d+)", folder.name)
-        if match and (folder / "metrics.jsonl").is_file():
-            curves[f"{match[1]}-seed{match[2]}"] = read_curve(folder)
+    for path in sorted(out.glob("curve-*")):
+        folder = re.fullmatch(r"curve-(\w+)-seed(\d+)", path.name)
+        log = re.fullmatch(r"curve-(\w+)-(\d+)\.log", path.name)
+        if folder and (path / "metrics.jsonl").is_file():
+            curves[f"{folder[1]}-seed{folder[2]}"] = read_curve(path)
+        elif log and f"{log[1]}-seed{log[2]}" not in curves:
+            curves[f"{log[1]}-seed{log[2]}"] = read_log(path)
     if not curves:
-        raise SystemExit(f"no curve-<moments>-seed<seed>/metrics.jsonl under {out}")
+        raise SystemExit(f"no curve-<moments>-seed<seed>/metrics.jsonl or curve-<moments>-<seed>.log under {out}")
     record = {"what": "the A2 baseline's loss with AdamW's moments in float32 (two seeds), bfloat16 and int8",
               "tail_steps": TAIL_STEPS, "curves": curves, "comparison": compare(curves)}
     (out / "record.json").write_text(json.dumps(record, indent=2) + "\n")
