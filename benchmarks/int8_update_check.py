@@ -24,21 +24,25 @@ STEPS = 6
 
 
 def run(update, shape: tuple, device: torch.device) -> dict:
+    """`STEPS` steps of `update` (`_adamw` eager or compiled, through `master_update.run_call` as the
+    kit's step calls it) on one parameter of `shape` with int8 moments, from zeros."""
     from onenode.train import master_update as mu
 
     generator = torch.Generator(device="cpu").manual_seed(0)
     param = (torch.randn(shape, generator=generator) * 0.02).to(device)
     start = param.clone()
-    codes = [torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(2)]
-    scales = [mu._zero_scales(param) for _ in range(2)]
-    step = torch.zeros((), device=device)
+    blocks = (*shape[:-1], -(-shape[-1] // min(mu.INT8_BLOCK, shape[-1])))
+    state = {"step": torch.zeros((), device=device),
+             **{key: torch.zeros(shape, dtype=torch.uint8, device=device) for key in ("exp_avg", "exp_avg_sq")},
+             **{key: torch.zeros(blocks, device=device) for key in ("exp_avg_scale", "exp_avg_sq_scale")}}
     for _ in range(STEPS):
         rows = 0.01 + 0.1 * torch.rand((*shape[:-1], 1), generator=generator)
         grad = (torch.randn(shape, generator=generator) * rows).bfloat16().to(device)
-        update([param], [grad], [codes[0]], [codes[1]], [step], [None], torch.tensor(6e-4, device=device),
-               torch.tensor(1.0, device=device), 0.9, 0.95, 1e-8, 0.1, [tuple(scales)], mu._codebooks(device))
-    return {"param": param.cpu(), "start": start.cpu(), "codes": [c.cpu() for c in codes],
-            "scales": [s.cpu() for s in scales]}
+        mu.run_call(update, [(param, grad, state, None)], torch.tensor(6e-4, device=device),
+                    torch.tensor(1.0, device=device), (0.9, 0.95, 1e-8, 0.1))
+    return {"param": param.cpu(), "start": start.cpu(),
+            "codes": [state[key].cpu() for key in ("exp_avg", "exp_avg_sq")],
+            "scales": [state[key].cpu() for key in ("exp_avg_scale", "exp_avg_sq_scale")]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,15 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     from onenode.train import master_update as mu
 
     device = torch.device(args.device)
-    compiled = torch.compile(mu._adamw, dynamic=False)
+    eager, compiled = mu.update_on(torch.device("cpu")).run, mu.compiled_update()  # `_adamw` as the kit runs it
     record = {"device": str(device), "torch": torch.__version__, "steps": STEPS, "shapes": {}}
     for shape in SHAPES:
-        eager, graph = run(mu._adamw, shape, device), run(compiled, shape, device)
-        moved = float((eager["param"] - eager["start"]).abs().max())
-        entry = {"max_difference": float((eager["param"] - graph["param"]).abs().max()), "eager_moved": moved,
+        plain, graph = run(eager, shape, device), run(compiled, shape, device)
+        moved = float((plain["param"] - plain["start"]).abs().max())
+        entry = {"max_difference": float((plain["param"] - graph["param"]).abs().max()), "eager_moved": moved,
                  "compiled_moved": float((graph["param"] - graph["start"]).abs().max()),
-                 "codes_equal": all(torch.equal(a, b) for a, b in zip(eager["codes"], graph["codes"])),
-                 "scales_equal": all(torch.equal(a, b) for a, b in zip(eager["scales"], graph["scales"]))}
+                 "codes_equal": all(torch.equal(a, b) for a, b in zip(plain["codes"], graph["codes"])),
+                 "scales_equal": all(torch.equal(a, b) for a, b in zip(plain["scales"], graph["scales"]))}
         record["shapes"]["x".join(map(str, shape))] = entry
         print(shape, entry)
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
