@@ -256,8 +256,6 @@ def verify_groups(plan: dict, report: dict) -> None:
     replay.json, plus "groups": the per-checkpoint entries of groups 1 .. R-1, and each entry's
     "outer_momentum_sha256"): every group's chain examined on its own slice, group 0's movement
     and outer momentum against `OuterBound`, the drawn spans replayed with every group."""
-    import torch
-
     import onenode
     from onenode.train.checkpoint import full_model_state_dict, weights_sha256
     from onenode.train.recipe import load_recipe
@@ -295,8 +293,7 @@ def verify_groups(plan: dict, report: dict) -> None:
                  "optimizer_bitwise": False, "optimizer_relative_error": None}
         try:
             meta = json.loads((run / "checkpoints" / start / "meta.json").read_text())
-            torch.set_num_threads(threads_of(plan, meta))
-            span = replay_span(run, start, end, data, threads_of(plan, meta))
+            span = replay_span(run, start, end, data, threads_of(plan, meta))  # it sets the threads
             entry.update(steps=span["steps"], seconds=span["seconds"], bitwise=span["bitwise"],
                          relative_error=span["relative_error"],
                          optimizer_bitwise=all(span["inner_bitwise"]) and span["outer_momentum_bitwise"],
