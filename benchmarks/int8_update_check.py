@@ -9,6 +9,10 @@ codes, `master_update.compiled_update`) is the update at all.
 For a few shapes (a row shorter than a block, rows of several blocks, a stack of expert matrices),
 six AdamW steps on random bf16 gradients from the same state, eager and compiled: the largest
 difference of the weights (against how far they moved), and whether the codes and scales agree.
+And the codebook search alone (`searches`): `torch.bucketize`, which `_encode` called until the GPU
+check, and `master_update.codebook_search`, which it calls now, each compiled against aten's
+`torch.bucketize` on the same values (every code of both maps, their float32 neighbours, and
+values in blocks as `_encode` makes them): how many indexes differ.
 """
 
 from __future__ import annotations
@@ -45,6 +49,27 @@ def run(update, shape: tuple, device: torch.device) -> dict:
             "scales": [state[key].cpu() for key in ("exp_avg_scale", "exp_avg_sq_scale")]}
 
 
+def searches(device: torch.device) -> dict:
+    """Indexes of compiled searches of both int8 maps that differ from aten's `torch.bucketize`."""
+    from onenode.train import master_update as mu
+
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    found = {}
+    for signed, book in zip((True, False), mu.int8_codebooks(device)):
+        low = -1.0 if signed else 0.0
+        values = torch.cat([book, torch.nextafter(book, torch.full_like(book, 2.0)),
+                            torch.nextafter(book, torch.full_like(book, -2.0)).clamp_min(low),
+                            low + (1 - low) * torch.rand(2**22, generator=generator).to(device) ** 4])
+        for right in (False, True):
+            expected = torch.bucketize(values, book, right=right)
+            for name, search in (("bucketize", torch.bucketize), ("codebook_search", mu.codebook_search)):
+                compiled = torch.compile(lambda x, b, search=search, right=right: search(x, b, right=right),
+                                         dynamic=False)
+                key = f"{'signed' if signed else 'unsigned'}-right={right}-{name}"
+                found[key] = int((compiled(values, book) != expected).sum())
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="the JSON record to write")
@@ -64,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                  "scales_equal": all(torch.equal(a, b) for a, b in zip(plain["scales"], graph["scales"]))}
         record["shapes"]["x".join(map(str, shape))] = entry
         print(shape, entry)
+    record["searches"] = searches(device)
+    print("searches", record["searches"])
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     return 0
 

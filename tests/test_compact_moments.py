@@ -183,7 +183,7 @@ def test_int8_codes_round_the_first_moment_toward_zero_and_the_second_up():
     gen = torch.Generator().manual_seed(0)
     m = torch.randn(3, 600, generator=gen) * torch.logspace(-3, 0, 600)
     v = m.square() * 1.5
-    books = master_update._codebooks(torch.device("cpu"))
+    books = master_update.int8_codebooks(torch.device("cpu"))
     decoded = []
     for x, book, toward_zero, signed in ((m, books[0], True, True), (v, books[1], False, False)):
         codes, scale = torch.empty(x.shape, dtype=torch.uint8), torch.empty(3, 3)  # 600 = 256 + 256 + 88
@@ -198,6 +198,22 @@ def test_int8_codes_round_the_first_moment_toward_zero_and_the_second_up():
     assert bool((qv >= v).all())
     assert float(((m - qm).abs() / m.abs())[big].max()) < 0.9 / 64 / 0.2  # a code's step at a fifth of the largest
     assert not torch.equal(qm, m) and not torch.equal(qv, v)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_codebook_search_is_bucketize_on_every_code_and_its_neighbours(signed):
+    """`codebook_search` (the binary search of gathers `_encode` uses in place of `torch.bucketize`,
+    whose CUDA lowering a CPU never runs) gives aten's `torch.bucketize` index, on both sides of each
+    boundary, on each code, beyond both ends and on random values, eager and compiled."""
+    book = master_update.int8_codebooks(torch.device("cpu"))[0 if signed else 1]
+    values = torch.cat([book, torch.nextafter(book, torch.full_like(book, 2.0)),
+                        torch.nextafter(book, torch.full_like(book, -2.0)), torch.tensor([-2.0, -1.0, 0.0, 2.0]),
+                        torch.rand(4096, generator=torch.Generator().manual_seed(0)) * 2 - 1])
+    compiled = torch.compile(master_update.codebook_search, dynamic=False)
+    for right in (False, True):
+        expected = torch.bucketize(values, book, right=right)
+        assert torch.equal(master_update.codebook_search(values, book, right=right), expected)
+        assert torch.equal(compiled(values, book, right=right), expected)
 
 
 def test_int8_moments_are_adamw_within_its_codes_and_keep_its_moment_ratio():

@@ -171,7 +171,7 @@ def dynamic_map(signed: bool) -> list[float]:
 
 
 @functools.cache
-def _codebooks(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_codebooks(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """`dynamic_map`'s signed (first moment) and unsigned (second) maps in float32 on `device`."""
     return tuple(torch.tensor(dynamic_map(signed), dtype=torch.float32, device=device) for signed in (True, False))
 
@@ -179,7 +179,7 @@ def _codebooks(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_values(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
     """What 8-bit `codes` of the signed or unsigned map stand for, in float64 (A2's verification
     reads them): each code's value times its block's scale."""
-    book = _codebooks(torch.device("cpu"))[0 if signed else 1].double()
+    book = int8_codebooks(torch.device("cpu"))[0 if signed else 1].double()
     values = book[codes.long().cpu()]
     return (_blocks(values) * scale.double().cpu().unsqueeze(-1)).flatten(-2)[..., :codes.shape[-1]]
 
@@ -210,6 +210,23 @@ def _decode(codes: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor) ->
     return values.flatten(-2)[..., :codes.shape[-1]]
 
 
+def codebook_search(x: torch.Tensor, codebook: torch.Tensor, right: bool = False) -> torch.Tensor:
+    """How many of the sorted `codebook`'s values (a power of two of them) lie below each of `x`
+    (at most it, where `right`): `torch.bucketize`'s index, as a binary search of gathers that
+    inductor compiles to plain loads on every device. Not `torch.bucketize` itself: inductor lowers
+    it to a search of its own on CUDA only, the one path a CPU cannot check, where int8 moments
+    diverged on one H200 (issue 43)."""
+    def below(values: torch.Tensor) -> torch.Tensor:
+        return values <= x if right else values < x
+
+    index = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
+    step = codebook.numel() // 2
+    while step:
+        index = torch.where(below(codebook[index + step - 1]), index + step, index)
+        step //= 2
+    return index + below(codebook[index]).long()
+
+
 def _encode(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor,
             toward_zero: bool) -> None:
     """Write `x` as codes of `codebook` times its blocks' largest magnitude (`scale`), each value
@@ -218,10 +235,10 @@ def _encode(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, codebook:
     absmax = blocks.abs().amax(-1)
     normed = blocks / torch.where(absmax > 0, absmax, 1.0).unsqueeze(-1)
     if toward_zero:  # the largest magnitude at most |normed|, of its sign
-        index = torch.where(normed >= 0, torch.bucketize(normed, codebook, right=True) - 1,
-                            torch.bucketize(normed, codebook))
+        index = torch.where(normed >= 0, codebook_search(normed, codebook, right=True) - 1,
+                            codebook_search(normed, codebook))
     else:  # the smallest value at least normed
-        index = torch.bucketize(normed, codebook)
+        index = codebook_search(normed, codebook)
     codes.copy_(index.flatten(-2)[..., :x.shape[-1]])
     scale.copy_(absmax)
 
@@ -408,7 +425,7 @@ def run_call(run, members: list, lr: torch.Tensor, coef: torch.Tensor, hyper: tu
     scales = [(s["exp_avg_scale"], s["exp_avg_sq_scale"]) if "exp_avg_scale" in s else None for s in states]
     run(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
         [s["step"] for s in states], copies, lr, coef, *hyper,
-        *((scales, _codebooks(lr.device)) if any(scales) else ()))
+        *((scales, int8_codebooks(lr.device)) if any(scales) else ()))
 
 
 class AdamWCompactMoments(torch.optim.AdamW):
