@@ -9,10 +9,9 @@ codes, `master_update.compiled_update`) is the update at all.
 For a few shapes (a row shorter than a block, rows of several blocks, a stack of expert matrices),
 six AdamW steps on random bf16 gradients from the same state, eager and compiled: the largest
 difference of the weights (against how far they moved), and whether the codes and scales agree.
-And the codebook search alone (`searches`): `torch.bucketize`, which `_encode` called until the GPU
-check, and `master_update.codebook_search`, which it calls now, each compiled against aten's
-`torch.bucketize` on the same values (every code of both maps, their float32 neighbours, and
-values in blocks as `_encode` makes them): how many indexes differ.
+And the encoding alone (`encodes`): both moments' codes of random blocks, compiled against eager,
+how many differ and by how many codes at most (one where the division rounds apart at a code's
+boundary; 255 where a block's largest value wrapped to code 0, the fault the GPU check found).
 """
 
 from __future__ import annotations
@@ -49,24 +48,25 @@ def run(update, shape: tuple, device: torch.device) -> dict:
             "scales": [state[key].cpu() for key in ("exp_avg_scale", "exp_avg_sq_scale")]}
 
 
-def searches(device: torch.device) -> dict:
-    """Indexes of compiled searches of both int8 maps that differ from aten's `torch.bucketize`."""
+def encodes(device: torch.device) -> dict:
+    """`master_update.int8_codes` of random blocks compiled against eager: codes differing, and by
+    how much at most, per moment."""
     from onenode.train import master_update as mu
 
     generator = torch.Generator(device="cpu").manual_seed(1)
+    x = (torch.randn(4096, 1024, generator=generator) * torch.logspace(-4, 0, 1024)).to(device)
     found = {}
-    for signed, book in zip((True, False), mu.int8_codebooks(device)):
-        low = -1.0 if signed else 0.0
-        values = torch.cat([book, torch.nextafter(book, torch.full_like(book, 2.0)),
-                            torch.nextafter(book, torch.full_like(book, -2.0)).clamp_min(low),
-                            low + (1 - low) * torch.rand(2**22, generator=generator).to(device) ** 4])
-        for right in (False, True):
-            expected = torch.bucketize(values, book, right=right)
-            for name, search in (("bucketize", torch.bucketize), ("codebook_search", mu.codebook_search)):
-                compiled = torch.compile(lambda x, b, search=search, right=right: search(x, b, right=right),
-                                         dynamic=False)
-                key = f"{'signed' if signed else 'unsigned'}-right={right}-{name}"
-                found[key] = int((compiled(values, book) != expected).sum())
+    for name, book, toward_zero, values in (("exp_avg", mu.int8_codebooks(device)[0], True, x),
+                                            ("exp_avg_sq", mu.int8_codebooks(device)[1], False, x.square())):
+        blocks = values.unflatten(-1, (-1, mu.INT8_BLOCK))
+        normed = blocks / blocks.abs().amax(-1, keepdim=True)  # the division `_encode` makes, compiled alike
+
+        def codes(blocks, book=book, toward_zero=toward_zero):
+            return mu.int8_codes(blocks / blocks.abs().amax(-1, keepdim=True), book, toward_zero)
+
+        eager, compiled = mu.int8_codes(normed, book, toward_zero), torch.compile(codes, dynamic=False)(blocks)
+        difference = (eager - compiled).abs()
+        found[name] = {"codes_differing": int((difference > 0).sum()), "max_code_difference": int(difference.max())}
     return found
 
 
@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                  "scales_equal": all(torch.equal(a, b) for a, b in zip(plain["scales"], graph["scales"]))}
         record["shapes"]["x".join(map(str, shape))] = entry
         print(shape, entry)
-    record["searches"] = searches(device)
-    print("searches", record["searches"])
+    record["encodes"] = encodes(device)
+    print("encodes", record["encodes"])
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     return 0
 

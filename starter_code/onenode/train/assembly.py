@@ -182,10 +182,6 @@ def assemble(recipe: Recipe, *, device: torch.device | str | None = None,
     if t.cuda_graphs and (world > 1 or device.type != "cuda"):
         raise RecipeError("recipe: train.cuda_graphs replays compiled layers in one process on a GPU (under FSDP they "
                           "would be recorded again every step): set it false, or run one process on a CUDA device")
-    if recipe.optimizer.moments == "int8" and device.type == "cuda":
-        raise RecipeError("recipe: optimizer.moments: int8 diverged on one H200 (the A2 baseline's loss 273 by step "
-                          "20, benchmarks/results/2026-12-05-h200-first-number-moments-curves/) and stays off GPUs "
-                          "until it is fixed: use optimizer.moments: bfloat16 (its curve matched float32's)")
     if recipe.optimizer.state == "cpu" and world > 1:
         raise RecipeError(f"recipe: optimizer.state: cpu runs one process (FSDP across {world} ranks keeps the state "
                           "on each GPU): launch one process, or set optimizer.state device")

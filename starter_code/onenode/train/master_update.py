@@ -210,21 +210,18 @@ def _decode(codes: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor) ->
     return values.flatten(-2)[..., :codes.shape[-1]]
 
 
-def codebook_search(x: torch.Tensor, codebook: torch.Tensor, right: bool = False) -> torch.Tensor:
-    """How many of the sorted `codebook`'s values (a power of two of them) lie below each of `x`
-    (at most it, where `right`): `torch.bucketize`'s index, as a binary search of gathers that
-    inductor compiles to plain loads on every device. Not `torch.bucketize` itself: inductor lowers
-    it to a search of its own on CUDA only, the one path a CPU cannot check, where int8 moments
-    diverged on one H200 (issue 43)."""
-    def below(values: torch.Tensor) -> torch.Tensor:
-        return values <= x if right else values < x
-
-    index = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
-    step = codebook.numel() // 2
-    while step:
-        index = torch.where(below(codebook[index + step - 1]), index + step, index)
-        step //= 2
-    return index + below(codebook[index]).long()
+def int8_codes(normed: torch.Tensor, codebook: torch.Tensor, toward_zero: bool) -> torch.Tensor:
+    """The codes (0..255, int64) of values already divided by their block's largest magnitude: the
+    largest code value at most each of its sign's magnitude (`toward_zero`) or the smallest at least
+    it. `normed` is clamped to [-1, 1] first: a GPU's compiled division is not correctly rounded, so
+    a block's largest value over itself can come out a float above 1, whose index past the map's last
+    value (256) wrapped to code 0 in uint8: the largest second moment of a block read as zero, a
+    step of lr x m / eps, and int8 moments diverged on GPUs (issue 43)."""
+    normed = normed.clamp(-1.0, 1.0)
+    if toward_zero:
+        return torch.where(normed >= 0, torch.bucketize(normed, codebook, right=True) - 1,
+                           torch.bucketize(normed, codebook))
+    return torch.bucketize(normed, codebook)
 
 
 def _encode(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor,
@@ -234,12 +231,7 @@ def _encode(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, codebook:
     blocks = _blocks(x)
     absmax = blocks.abs().amax(-1)
     normed = blocks / torch.where(absmax > 0, absmax, 1.0).unsqueeze(-1)
-    if toward_zero:  # the largest magnitude at most |normed|, of its sign
-        index = torch.where(normed >= 0, codebook_search(normed, codebook, right=True) - 1,
-                            codebook_search(normed, codebook))
-    else:  # the smallest value at least normed
-        index = codebook_search(normed, codebook)
-    codes.copy_(index.flatten(-2)[..., :x.shape[-1]])
+    codes.copy_(int8_codes(normed, codebook, toward_zero).flatten(-2)[..., :x.shape[-1]])
     scale.copy_(absmax)
 
 
