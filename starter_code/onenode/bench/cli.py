@@ -65,7 +65,8 @@ def register(subparsers) -> None:
     p.add_argument("--peak", type=float, default=H100_H200_BF16_PEAK, help="peak FLOP/s per GPU for MFU")
     p.add_argument("--measure-ceiling", action="store_true", help="also report MFU against a measured matmul")
     p.add_argument("--profile", metavar="DIR", default=None, help="write a torch.profiler trace per rank here")
-    p.add_argument("--profile-steps", type=int, default=2, help="steps in the profiled window")
+    p.add_argument("--profile-steps", type=int, default=1,
+                   help="steps in the profiled window (one: the starter's trace reads in a third of two's time)")
     p.add_argument("--top-kernels", type=int, default=15, help="kernels (CPU: ops) in the top-kernels table")
     p.add_argument("--out", metavar="FILE", default=None, help="write the JSON record here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
