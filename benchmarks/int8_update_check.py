@@ -1,7 +1,8 @@
 """int8 moments' update compiled by inductor against the same update eager, on one device: where
 the int8 curve diverged (one H200, issue 43, results/2026-12-05-h200-first-number-moments-curves/)
 and the CPU's runs did not, this says whether the compiled step (the only one a GPU runs for int8
-codes, `master_update.compiled_update`) is the update at all.
+codes, `master_update.compiled_update`) is the update at all. On one H100 it was not
+(results/2026-12-05-h100-int8-fault/: a block's largest second moment wrapped to code 0).
 
     python benchmarks/int8_update_check.py OUT.json              # cuda
     python benchmarks/int8_update_check.py OUT.json --device cpu  # the same comparison on a CPU
