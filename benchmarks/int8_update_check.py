@@ -59,13 +59,11 @@ def encodes(device: torch.device) -> dict:
     found = {}
     for name, book, toward_zero, values in (("exp_avg", mu.int8_codebooks(device)[0], True, x),
                                             ("exp_avg_sq", mu.int8_codebooks(device)[1], False, x.square())):
-        blocks = values.unflatten(-1, (-1, mu.INT8_BLOCK))
-        normed = blocks / blocks.abs().amax(-1, keepdim=True)  # the division `_encode` makes, compiled alike
-
-        def codes(blocks, book=book, toward_zero=toward_zero):
+        def codes(blocks, book=book, toward_zero=toward_zero):  # with the division `_encode` makes
             return mu.int8_codes(blocks / blocks.abs().amax(-1, keepdim=True), book, toward_zero)
 
-        eager, compiled = mu.int8_codes(normed, book, toward_zero), torch.compile(codes, dynamic=False)(blocks)
+        blocks = values.unflatten(-1, (-1, mu.INT8_BLOCK))
+        eager, compiled = codes(blocks), torch.compile(codes, dynamic=False)(blocks)
         difference = (eager - compiled).abs()
         found[name] = {"codes_differing": int((difference > 0).sum()), "max_code_difference": int(difference.max())}
     return found

@@ -204,7 +204,7 @@ def test_int8_codes_round_the_first_moment_toward_zero_and_the_second_up():
 def test_int8_codes_stay_in_the_map_where_a_compiled_division_overshoots_one(signed):
     """A GPU's compiled division is not correctly rounded: a block's largest value over itself can be
     a float above 1 (or below -1). Its code must be the map's end, never the index past it (256),
-    which wrapped to code 0 in uint8 and made int8 moments diverge on one H100 and one H200."""
+    which wrapped to code 0 in uint8: int8 moments diverged on one H200 (their update was wrong on one H100)."""
     book = master_update.int8_codebooks(torch.device("cpu"))[0 if signed else 1]
     above = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
     for toward_zero in ((True, False) if signed else (False,)):
