@@ -87,6 +87,25 @@ def test_chunked_head_loss_matches_the_plain_one(dtype):
         torch.testing.assert_close(linear_cross_entropy(hidden, weight, labels, chunk_tokens=5), plain)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's float32-output GEMM runs on a GPU")
+def test_head_weight_gradient_adds_up_in_float32_on_a_gpu():
+    """On a GPU each chunk's product goes into the float32 weight gradient unrounded: nearer the
+    float64 answer than the same chunks' products rounded to bf16 and then added."""
+    from onenode.model.loss import accumulate_product_
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    chunks = [(torch.randn(256, 64, device="cuda", generator=gen).bfloat16(),
+               torch.randn(64, 512, device="cuda", generator=gen).bfloat16()) for _ in range(16)]
+    total = torch.zeros(256, 512, device="cuda")
+    rounded = torch.zeros_like(total)
+    for a, b in chunks:
+        accumulate_product_(total, a, b)
+        rounded += (a @ b).float()
+    want = sum(a.double() @ b.double() for a, b in chunks)
+    assert total.dtype == torch.float32
+    assert (total - want).abs().max() < 1e-4 * want.abs().max() < (rounded - want).abs().max()
+
+
 def test_compiled_chunk_math_equals_eager():
     """The head's per-chunk loss and logit gradient compile to one graph (as on a GPU) and give
     what the eager code gives; ignored rows get no gradient."""
