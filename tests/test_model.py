@@ -18,7 +18,7 @@ from onenode.model import (
     routed_expert_parameters,
 )
 from onenode.model.hf_io import adapt_state_dict, save_pretrained
-from onenode.model.moe import MoE
+from onenode.model.moe import MoE, gather_columns
 
 
 def _batch(config, batch=2, seq=24, seed=0):
@@ -104,6 +104,19 @@ def test_head_weight_gradient_adds_up_in_float32_on_a_gpu():
     want = sum(a.double() @ b.double() for a, b in chunks)
     assert total.dtype == torch.float32
     assert (total - want).abs().max() < 1e-4 * want.abs().max() < (rounded - want).abs().max()
+
+
+def test_router_weights_gather_columns_bit_for_bit():
+    """The router's masked-sum gather gives gather's values and gather's gradient, bit for bit
+    (the router's choices and a deterministic run's replay depend on it)."""
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.rand(50, 16, generator=gen).requires_grad_()
+    idx = torch.rand(50, 16, generator=gen).topk(4, dim=-1).indices
+    upstream = torch.randn(50, 4, generator=gen)
+    picked = gather_columns(scores, idx)
+    want = scores.gather(1, idx)
+    assert torch.equal(picked, want)
+    assert torch.equal(torch.autograd.grad(picked, scores, upstream)[0], torch.autograd.grad(want, scores, upstream)[0])
 
 
 def test_compiled_chunk_math_equals_eager():

@@ -41,9 +41,12 @@ def use_deterministic_kernels() -> None:
     """Every kernel of a step gives the same bits on every run of the same layout and GPU, so a
     replayed span lands on its checkpoint exactly: cuBLAS with a fixed workspace, torch's
     deterministic algorithms (an op that has none fails loudly rather than drifting), and SDPA
-    without cuDNN attention, whose backward accumulates in no fixed order."""
+    without cuDNN attention, whose backward accumulates in no fixed order. New tensors are not
+    filled with NaN first (torch's default in this mode, 188 fill kernels a step of the A2
+    baseline): no kernel of a step reads memory it has not written, so the fill changes no bit."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.enable_cudnn_sdp(False)

@@ -50,10 +50,19 @@ class TopKRouter(nn.Module):
             group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
             choice = grouped.masked_fill(~group_mask[..., None], -torch.inf).flatten(1)
         topk_idx = choice.topk(self.top_k, dim=-1).indices
-        topk_weight = scores.gather(1, topk_idx)
+        topk_weight = gather_columns(scores, topk_idx)
         if self.norm_topk_prob:
             topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
         return topk_idx, topk_weight * self.routed_scaling_factor
+
+
+def gather_columns(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """`x.gather(1, idx)` for x [N, E] and idx [N, k] naming k distinct columns a row, as a masked
+    sum over the E columns (exact: one term of each sum is not zero). Its backward is elementwise,
+    where gather's scatter-adds: with atomics, or under deterministic algorithms with an index sort
+    per call (such sorts were 9% of a deterministic A2 step on one H100)."""
+    picked = idx[:, :, None] == torch.arange(x.shape[1], device=x.device)
+    return torch.where(picked, x[:, None, :], 0.0).sum(dim=-1)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -143,7 +152,7 @@ class GroupedExperts(nn.Module):
         offsets = counts.cumsum(0)
         rows = _DispatchToExperts.apply(x, order, inverse, top_k)
         hidden = F.relu(grouped_mm(rows, self.up_proj.transpose(1, 2), offsets)).square()
-        hidden = hidden * topk_weight.reshape(-1)[order, None].to(hidden.dtype)
+        hidden = hidden * _DispatchToExperts.apply(topk_weight.reshape(-1, 1), order, inverse, 1).to(hidden.dtype)
         out = grouped_mm(hidden, self.down_proj.transpose(1, 2), offsets)
         return _CombineFromExperts.apply(out, order, inverse, top_k)
 
