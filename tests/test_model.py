@@ -18,7 +18,8 @@ from onenode.model import (
     routed_expert_parameters,
 )
 from onenode.model.hf_io import adapt_state_dict, save_pretrained
-from onenode.model.moe import MoE, gather_columns
+from onenode.model.expert_index import count_per_expert, gather_columns
+from onenode.model.moe import MoE
 
 
 def _batch(config, batch=2, seq=24, seed=0):
@@ -117,6 +118,18 @@ def test_router_weights_gather_columns_bit_for_bit():
     want = scores.gather(1, idx)
     assert torch.equal(picked, want)
     assert torch.equal(torch.autograd.grad(picked, scores, upstream)[0], torch.autograd.grad(want, scores, upstream)[0])
+
+
+def test_count_per_expert_is_bincount():
+    """The compare-and-sum count gives bincount's counts, zeros for experts nobody chose included,
+    in integers and in float32 (the balancer's load buffer), eager and compiled."""
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 13, (300, 6), generator=gen)  # 16 experts: the last three never chosen
+    want = torch.bincount(idx.flatten(), minlength=16)
+    assert torch.equal(count_per_expert(idx, 16), want)
+    assert torch.equal(count_per_expert(idx, 16, torch.float32), want.float())
+    compiled = torch.compile(count_per_expert, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(idx, 16), want)
 
 
 def test_compiled_chunk_math_equals_eager():

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import NemotronHConfig
+from .expert_index import gather_columns
 from .mlp import MLP
 
 
@@ -54,15 +55,6 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob:
             topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
         return topk_idx, topk_weight * self.routed_scaling_factor
-
-
-def gather_columns(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """`x.gather(1, idx)` for x [N, E] and idx [N, k] naming k distinct columns a row, as a masked
-    sum over the E columns (exact: one term of each sum is not zero). Its backward is elementwise,
-    where gather's scatter-adds: with atomics, or under deterministic algorithms with an index sort
-    per call (such sorts were 9% of a deterministic A2 step on one H100)."""
-    picked = idx[:, :, None] == torch.arange(x.shape[1], device=x.device)
-    return torch.where(picked, x[:, None, :], 0.0).sum(dim=-1)
 
 
 class MoE(nn.Module):

@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..model.expert_index import count_per_expert
+
 ROUTER_SUFFIX = "mixer.gate"
 
 
@@ -32,7 +34,7 @@ def count_expert_load(indices: torch.Tensor, load: torch.Tensor) -> None:
     every MoE block, each step) and which must be read when the op runs, not when it is traced."""
     if _recomputing():
         return
-    load.index_add_(0, indices.flatten(), torch.ones(indices.numel(), device=load.device, dtype=load.dtype))
+    load += count_per_expert(indices, load.numel(), load.dtype)
 
 
 @count_expert_load.register_fake
@@ -76,8 +78,7 @@ class RouterBalancer:
         count_expert_load(idx, module.expert_load)
         if self.aux_loss_enabled and torch.is_grad_enabled() and not _recomputing():
             num_experts = module.e_score_correction_bias.numel()
-            counts = torch.zeros(num_experts, device=idx.device, dtype=torch.float32)
-            counts.index_add_(0, idx.flatten(), torch.ones(idx.numel(), device=idx.device))
+            counts = count_per_expert(idx, num_experts, torch.float32)
             x = inputs[0].reshape(-1, module.weight.shape[-1])
             scores = F.linear(x.float(), module.weight.float()).sigmoid()
             probs = scores / scores.sum(dim=-1, keepdim=True)

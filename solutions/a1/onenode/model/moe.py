@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import NemotronHConfig
+from .expert_index import count_per_expert, gather_columns
 from .mlp import MLP
 
 
@@ -54,15 +55,6 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob:
             topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
         return topk_idx, topk_weight * self.routed_scaling_factor
-
-
-def gather_columns(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """`x.gather(1, idx)` for x [N, E] and idx [N, k] naming k distinct columns a row, as a masked
-    sum over the E columns (exact: one term of each sum is not zero). Its backward is elementwise,
-    where gather's scatter-adds: with atomics, or under deterministic algorithms with an index sort
-    per call (such sorts were 9% of a deterministic A2 step on one H100)."""
-    picked = idx[:, :, None] == torch.arange(x.shape[1], device=x.device)
-    return torch.where(picked, x[:, None, :], 0.0).sum(dim=-1)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -133,7 +125,7 @@ class GroupedExperts(nn.Module):
     the down projection (which is linear), so the combine is a plain sum: the rows go back to
     token order through the inverse permutation and each token adds up its k rows. Gathers only,
     forward and backward (no atomic `index_add_`), and no host sync on the grouped-GEMM path: the
-    counts come from `scatter_add_`, whose size is known, not `bincount`. The weights are used as
+    counts are a compare-and-sum (`count_per_expert`), not `bincount`. The weights are used as
     they come (bf16 under the kit's mixed precision), never cast per call.
     """
 
@@ -147,9 +139,7 @@ class GroupedExperts(nn.Module):
         flat = topk_idx.reshape(-1)
         order = flat.argsort(stable=True)
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
-        counts = torch.zeros(self.up_proj.shape[0], dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))
-        offsets = counts.cumsum(0)
+        offsets = count_per_expert(flat, self.up_proj.shape[0]).cumsum(0)
         rows = _DispatchToExperts.apply(x, order, inverse, top_k)
         hidden = F.relu(grouped_mm(rows, self.up_proj.transpose(1, 2), offsets)).square()
         hidden = hidden * _DispatchToExperts.apply(topk_weight.reshape(-1, 1), order, inverse, 1).to(hidden.dtype)

@@ -20,6 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.nn.functional import all_to_all_single as _all_to_all_single
 
+from ..model.expert_index import count_per_expert
+
 
 def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
@@ -40,8 +42,7 @@ class ExpertParallelMoE:
         order = flat.argsort(stable=True)  # (token, slot) pairs by expert, so by owner rank
         token = order // top_k
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=x.device))
-        send_counts = torch.zeros(self.ep_num_experts, dtype=torch.int64, device=x.device)
-        send_counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync on CUDA
+        send_counts = count_per_expert(flat, self.ep_num_experts)
         recv_counts = torch.empty_like(send_counts)  # [source rank, local expert]
         dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
         send_splits = send_counts.view(ep, local).sum(1).tolist()
