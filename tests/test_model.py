@@ -17,8 +17,8 @@ from onenode.model import (
     linear_cross_entropy,
     routed_expert_parameters,
 )
-from onenode.model.hf_io import adapt_state_dict, save_pretrained
 from onenode.model.expert_index import count_per_expert, gather_columns
+from onenode.model.hf_io import adapt_state_dict, save_pretrained
 from onenode.model.moe import MoE
 
 
