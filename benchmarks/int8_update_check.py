@@ -57,10 +57,10 @@ def encodes(device: torch.device) -> dict:
     generator = torch.Generator(device="cpu").manual_seed(1)
     x = (torch.randn(4096, 1024, generator=generator) * torch.logspace(-4, 0, 1024)).to(device)
     found = {}
-    for name, book, signed, values in (("exp_avg", mu.int8_codebooks(device)[0], True, x),
-                                       ("exp_avg_sq", mu.int8_codebooks(device)[1], False, x.square())):
-        def codes(blocks, book=book, signed=signed):  # with the division `_encode` makes, rounded as it rounds
-            return mu.int8_codes(blocks / blocks.abs().amax(-1, keepdim=True), book, signed, toward_zero=signed)
+    for name, book, toward_zero, values in (("exp_avg", mu.int8_codebooks(device)[0], True, x),
+                                            ("exp_avg_sq", mu.int8_codebooks(device)[1], False, x.square())):
+        def codes(blocks, book=book, toward_zero=toward_zero):  # with the division `_encode` makes
+            return mu.int8_codes(blocks / blocks.abs().amax(-1, keepdim=True), book, toward_zero)
 
         blocks = values.unflatten(-1, (-1, mu.INT8_BLOCK))
         eager, compiled = codes(blocks), torch.compile(codes, dynamic=False)(blocks)

@@ -145,8 +145,8 @@ def _adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list
         denom = v.sqrt() / (1 - beta2 ** step).sqrt() + eps
         param.sub_(step_size * m / denom)
         if exp_avg.dtype == torch.uint8:
-            _encode(m, exp_avg, scale[0], codebooks[0], signed=True)
-            _encode(v, exp_avg_sq, scale[1], codebooks[1], signed=False)
+            _encode(m, exp_avg, scale[0], codebooks[0], toward_zero=True)
+            _encode(v, exp_avg_sq, scale[1], codebooks[1], toward_zero=False)
         elif compact:
             exp_avg.copy_(m)
             exp_avg_sq.copy_(v)
@@ -210,56 +210,28 @@ def _decode(codes: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor) ->
     return values.flatten(-2)[..., :codes.shape[-1]]
 
 
-def int8_codes(normed: torch.Tensor, codebook: torch.Tensor, signed: bool, toward_zero: bool) -> torch.Tensor:
-    """The codes (0..255, int64) in `codebook` (`dynamic_map(signed)`) of values already divided by
-    their block's largest magnitude: the largest code value at most each of its sign's magnitude
-    (`toward_zero`) or the smallest at least it, as `torch.bucketize` would find them.
-
-    `normed` is clamped to [-1, 1] first: a GPU's compiled division is not correctly rounded, so a
-    block's largest value over itself can come out a float above 1, whose index past the map's last
+def int8_codes(normed: torch.Tensor, codebook: torch.Tensor, toward_zero: bool) -> torch.Tensor:
+    """The codes (0..255, int64) of values already divided by their block's largest magnitude: the
+    largest code value at most each of its sign's magnitude (`toward_zero`) or the smallest at least
+    it. `normed` is clamped to [-1, 1] first: a GPU's compiled division is not correctly rounded, so
+    a block's largest value over itself can come out a float above 1, whose index past the map's last
     value (256) wrapped to code 0 in uint8: the largest second moment of a block read as zero, a
-    step of lr x m / eps, and int8 moments diverged on GPUs (issue 43).
-
-    No search: the map's own formula (`dynamic_map`) gives each magnitude's place among the map's
-    values at least 0 up to one either way, and two comparisons with those values make it exact.
-    A binary search of the map per value (bucketize) made int8's update 8x slower than float32's
-    on one H100, 227 ms of a 298 ms step at 1 x 4096."""
+    step of lr x m / eps, and int8 moments diverged on GPUs (issue 43)."""
     normed = normed.clamp(-1.0, 1.0)
-    book = codebook[127:] if signed else codebook  # the values >= 0: 0, the decades' values, 1
-    magnitude = normed.abs()
-    at_most = _place_at_most(magnitude, book, first_decade=1 if signed else 2)
-    up = at_most + (book[at_most] < magnitude).long()
-    if not signed:
-        return at_most if toward_zero else up
-    # book[j] is code 127 + j; -book[j] is code 127 - j for j <= 127 (the map has no -1)
-    negative = 127 - at_most.clamp(max=127)
-    return torch.where(normed >= 0, 127 + (at_most if toward_zero else up), negative)
-
-
-def _place_at_most(magnitude: torch.Tensor, book: torch.Tensor, first_decade: int) -> torch.Tensor:
-    """The index of the largest value of `book` (a map's values >= 0, sorted) at most each of
-    `magnitude` (in [0, 1]). Decade d (0..6) of the map holds n = first_decade x 2^d values,
-    10^(d-6) x (0.1 + 0.9 (i + 1/2) / n) for i < n, after the n - first_decade of the decades below
-    and the 0: the formula's index, rounded in float32, is off by at most one, which the comparisons
-    with its neighbours in `book` put right."""
-    decade = (torch.floor(torch.log10(magnitude)) + 7).clamp(0, 6)  # log10(0) = -inf: decade 0
-    n = torch.exp2(decade) * first_decade
-    within = torch.floor((magnitude / torch.pow(10.0, decade - 6) - 0.1) / 0.9 * n - 0.5)
-    last = book.shape[0] - 1
-    place = (1 + n - first_decade + within).clamp(0, last).long()
-    place = place + ((book[(place + 1).clamp(max=last)] <= magnitude) & (place < last)).long()
-    return place - (book[place] > magnitude).long()
+    if toward_zero:
+        return torch.where(normed >= 0, torch.bucketize(normed, codebook, right=True) - 1,
+                           torch.bucketize(normed, codebook))
+    return torch.bucketize(normed, codebook)
 
 
 def _encode(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor,
-            signed: bool) -> None:
-    """Write `x` as codes of `codebook` (`dynamic_map(signed)`) times its blocks' largest magnitude
-    (`scale`), each value rounded toward zero (the signed map, exp_avg) or up (exp_avg_sq): the
-    module docstring says why not to the nearest."""
+            toward_zero: bool) -> None:
+    """Write `x` as codes of `codebook` times its blocks' largest magnitude (`scale`), each value
+    rounded toward zero (`toward_zero`) or up: the module docstring says why not to the nearest."""
     blocks = _blocks(x)
     absmax = blocks.abs().amax(-1)
     normed = blocks / torch.where(absmax > 0, absmax, 1.0).unsqueeze(-1)
-    codes.copy_(int8_codes(normed, codebook, signed, toward_zero=signed).flatten(-2)[..., :x.shape[-1]])
+    codes.copy_(int8_codes(normed, codebook, toward_zero).flatten(-2)[..., :x.shape[-1]])
     scale.copy_(absmax)
 
 
