@@ -64,7 +64,7 @@ def encodes(device: torch.device) -> dict:
 
         blocks = values.unflatten(-1, (-1, mu.INT8_BLOCK))
         eager, compiled = codes(blocks), torch.compile(codes, dynamic=False)(blocks)
-        difference = (eager - compiled).abs()
+        difference = (eager.int() - compiled.int()).abs()
         found[name] = {"codes_differing": int((difference > 0).sum()), "max_code_difference": int(difference.max())}
     return found
 

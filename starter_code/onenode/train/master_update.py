@@ -211,17 +211,20 @@ def _decode(codes: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor) ->
 
 
 def int8_codes(normed: torch.Tensor, codebook: torch.Tensor, toward_zero: bool) -> torch.Tensor:
-    """The codes (0..255, int64) of values already divided by their block's largest magnitude: the
+    """The codes (uint8) of values already divided by their block's largest magnitude: the
     largest code value at most each of its sign's magnitude (`toward_zero`) or the smallest at least
     it. `normed` is clamped to [-1, 1] first: a GPU's compiled division is not correctly rounded, so
     a block's largest value over itself can come out a float above 1, whose index past the map's last
     value (256) wrapped to code 0 in uint8: the largest second moment of a block read as zero, a
     step of lr x m / eps, and int8 moments diverged on GPUs (issue 43)."""
     normed = normed.clamp(-1.0, 1.0)
+    up = torch.bucketize(normed, codebook, out_int32=True)
     if toward_zero:
-        return torch.where(normed >= 0, torch.bucketize(normed, codebook, right=True) - 1,
-                           torch.bucketize(normed, codebook))
-    return torch.bucketize(normed, codebook)
+        up = torch.where(normed >= 0, torch.bucketize(normed, codebook, right=True, out_int32=True) - 1, up)
+    # uint8 where they are made: a row whose length is no multiple of the block is padded, and the
+    # codes go back to the row's layout in a kernel of their own; int64 codes in between (bucketize's
+    # default) were 8 bytes a value written and read again, twice for exp_avg.
+    return up.to(torch.uint8)
 
 
 def _encode(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor,
