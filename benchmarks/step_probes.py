@@ -12,6 +12,7 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py fsdp-one-rank -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py unfused-update -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py update-chunk --chunk 4 -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py router-bf16-gemm -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
 - `tf32`: float32 matmuls (the router, the SSD's cross-chunk carry) on TF32 tensor cores;
@@ -36,7 +37,13 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
   inductor`) over chunks of N parameters (`master_update.CHUNK`, 16): smaller chunks repeat more
   often, so fewer distinct graphs of fewer nodes compile in a cold first step (one H200, a1-1gpu:
   71 s with 4 against 103 s with 16, benchmarks/results/2026-12-04-h200-first-number/), for more
-  calls a step.
+  calls a step;
+- `router-bf16-gemm`: each router's logits as a bf16 GEMM that accumulates and returns float32
+  (`torch.mm(..., out_dtype=torch.float32)`) on tensor cores, the gradients' GEMMs likewise from the
+  logits' gradient rounded to bf16, not `F.linear` on float32 copies on CUDA cores (16 ms of the A2
+  baseline's 260 ms step on one H100, results/2026-12-06-h100-expert-counts-int8/). Under the kit's
+  bf16 copies the router's inputs are bf16 values, so the forward's products are the same and only
+  their order of summation differs; a global TF32 (`tf32`) made the step slower there. A GPU only.
 
 Probes combine: `fsdp-one-rank one-unit -- ...` applies both.
 
@@ -85,6 +92,45 @@ def fsdp_on_one_rank(model: torch.nn.Module, param_dtype: torch.dtype) -> None:
     fsdp.apply_fsdp_on_one_rank(model, param_dtype)
 
 
+class _Bf16RouterLogits(torch.autograd.Function):
+    """x [..., H] @ weight [E, H].T of bf16 values held as float32, computed in bf16 with float32
+    accumulation and output; the backward's GEMMs take the logits' gradient rounded to bf16."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows, w = x.reshape(-1, x.shape[-1]).bfloat16(), weight.bfloat16()
+        ctx.save_for_backward(rows, w)
+        ctx.shapes = x.shape, weight.dtype
+        return torch.mm(rows, w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, w = ctx.saved_tensors
+        x_shape, weight_dtype = ctx.shapes
+        g = grad.reshape(-1, grad.shape[-1]).bfloat16()
+        return (torch.mm(g, w, out_dtype=torch.float32).view(x_shape),
+                torch.mm(g.t(), rows, out_dtype=torch.float32).to(weight_dtype))
+
+
+def route_on_bf16_gemms() -> None:
+    """`model/moe.py`'s `F.linear`, which only its router calls, as `_Bf16RouterLogits` on a GPU."""
+    import types
+
+    import torch.nn.functional as F
+
+    from onenode.model import moe
+
+    def linear(x, weight, bias=None):
+        if bias is not None or not x.is_cuda:
+            return F.linear(x, weight, bias)
+        return _Bf16RouterLogits.apply(x, weight)
+
+    functional = types.ModuleType("functional_with_bf16_router")
+    functional.__dict__.update(F.__dict__)
+    functional.linear = linear
+    moe.F = functional
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage="%(prog)s PROBE [PROBE ...] [--logits N] [--mode M] [--chunk N] "
@@ -92,7 +138,7 @@ def main() -> int:
     parser.add_argument("probes", nargs="+", metavar="PROBE",
                         choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
                                  "router-own-unit", "one-unit", "fsdp-one-rank", "unfused-update",
-                                 "update-chunk"])
+                                 "update-chunk", "router-bf16-gemm"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
     parser.add_argument("--chunk", type=int, help="update-chunk: parameters per compiled update call")
     parser.add_argument("--mode", choices=["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
@@ -131,6 +177,8 @@ def main() -> int:
                 parser.error("update-chunk needs --chunk N, N >= 1: parameters per compiled update call")
             master_update.CHUNK = args.chunk
             bench_options += ["--set", "train.fused_update_kernel=inductor"]  # the Triton kernel takes no chunks
+        elif probe == "router-bf16-gemm":
+            route_on_bf16_gemms()
         elif not torch.cuda.is_available():
             parser.error("host-syncs counts waits for a CUDA GPU: none is visible here")
         else:

@@ -184,8 +184,9 @@ def test_out_of_memory_is_one_line_that_says_what_to_change(monkeypatch):
 
 
 def test_step_probes_run_bench_with_one_setting_changed(tmp_path):
-    """benchmarks/step_probes.py: the bench's record with the longer kernel list; on a machine
-    without CUDA the host-sync probe refuses in one line."""
+    """benchmarks/step_probes.py: the bench's record with the longer kernel list, two probes at once
+    (the router's bf16 GEMMs keep the float32 path off a GPU); on a machine without CUDA the
+    host-sync probe refuses in one line."""
     import subprocess
     import sys
 
@@ -193,7 +194,8 @@ def test_step_probes_run_bench_with_one_setting_changed(tmp_path):
     out = tmp_path / "probe.json"
     bench_options = ["--preset", "tiny", "--seq-len", "32", "--steps", "1", "--warmup", "0", "--quiet",
                      "--profile", str(tmp_path / "prof"), "--out", str(out)]
-    done = subprocess.run([sys.executable, str(script), "loss-chunk", "--logits", "4096", "--", *bench_options],
+    done = subprocess.run([sys.executable, str(script), "router-bf16-gemm", "loss-chunk", "--logits", "4096", "--",
+                           *bench_options],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(json.loads(out.read_text())["top_kernels"]) > 15
@@ -208,6 +210,29 @@ def test_step_probes_run_bench_with_one_setting_changed(tmp_path):
     refused = subprocess.run([sys.executable, str(script), "update-chunk", "--chunk", "0", "--", *bench_options],
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "update-chunk needs --chunk N, N >= 1" in refused.stderr.splitlines()[-1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.mm's out_dtype runs on a GPU")
+def test_router_bf16_gemm_probe_matches_float32_routing():
+    """step_probes.py's router logits from bf16 GEMMs with float32 output: on bf16 values the forward
+    is float32's to summation order, the gradients to the bf16 rounding of the logits' gradient."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("step_probes", Path(__file__).resolve().parents[1] / "benchmarks"
+                                                  / "step_probes.py")
+    probes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probes)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4, 512, 256, device="cuda", generator=gen).bfloat16().float().requires_grad_()
+    w = (torch.randn(64, 256, device="cuda", generator=gen) / 16).bfloat16().float().requires_grad_()
+    upstream = torch.randn(4, 512, 64, device="cuda", generator=gen)
+    got = probes._Bf16RouterLogits.apply(x, w)
+    want = x.double() @ w.double().t()
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max() < 1e-5 * want.abs().max()
+    got_x, got_w = torch.autograd.grad(got, (x, w), upstream)
+    want_x, want_w = upstream.double() @ w.double(), upstream.double().flatten(0, 1).t() @ x.double().flatten(0, 1)
+    assert (got_x.double() - want_x).abs().max() < 2 ** -7 * want_x.abs().max()
+    assert (got_w.double() - want_w).abs().max() < 2 ** -7 * want_w.abs().max()
 
 
 def test_every_row_and_column_of_the_output_is_explained_in_help():
