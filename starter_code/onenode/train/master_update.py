@@ -218,13 +218,13 @@ def int8_codes(normed: torch.Tensor, codebook: torch.Tensor, toward_zero: bool) 
     value (256) wrapped to code 0 in uint8: the largest second moment of a block read as zero, a
     step of lr x m / eps, and int8 moments diverged on GPUs (issue 43)."""
     normed = normed.clamp(-1.0, 1.0)
-    up = torch.bucketize(normed, codebook, out_int32=True)
+    codes = torch.bucketize(normed, codebook, out_int32=True)  # the smallest code value at least each
     if toward_zero:
-        up = torch.where(normed >= 0, torch.bucketize(normed, codebook, right=True, out_int32=True) - 1, up)
+        codes = torch.where(normed >= 0, torch.bucketize(normed, codebook, right=True, out_int32=True) - 1, codes)
     # uint8 where they are made: a row whose length is no multiple of the block is padded, and the
     # codes go back to the row's layout in a kernel of their own; int64 codes in between (bucketize's
     # default) were 8 bytes a value written and read again, twice for exp_avg.
-    return up.to(torch.uint8)
+    return codes.to(torch.uint8)
 
 
 def _encode(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor,
