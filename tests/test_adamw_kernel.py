@@ -15,9 +15,12 @@ import torch
 
 pytest.importorskip("triton", reason="the kernel's tests run Triton's interpreter: make setup installs triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from onenode.model import build_model, get_preset  # noqa: E402
 from onenode.parallel import ParallelDims, parallelize  # noqa: E402
-from onenode.train import adamw_kernel, master_update  # noqa: E402
+from onenode.train import adamw_kernel, adamw_triton, master_update  # noqa: E402
 from onenode.train.step import build_optimizer  # noqa: E402
 
 KIT_BLOCK, KIT_STEP = adamw_kernel.BLOCK, adamw_kernel.STEP  # the module's own (the tests run smaller ones)
@@ -157,10 +160,10 @@ def test_the_kit_step_through_the_kernel_matches_the_cpu_step(monkeypatch):
     assert sum(launches) == 3 * sum(len(group["params"]) for group in optimizer.param_groups)
 
 
-def test_the_kernel_leaves_int8_moments_and_strided_tensors_to_the_compiled_update(monkeypatch):
-    """int8 moments (codes and block scales) and tensors that are not contiguous are not the
-    kernel's: `KernelUpdate` puts the members it takes in one call of `adamw_kernel.adamw`, and
-    hands the others to the compiled `_adamw` in chunks of `CHUNK`."""
+def test_the_kernel_leaves_strided_tensors_to_the_compiled_update(monkeypatch):
+    """Tensors that are not contiguous are not the kernels': `KernelUpdate` puts the members they
+    take (float moments and int8 codes) in one call of `adamw_kernel.adamw`, and hands the others to
+    the compiled `_adamw` in chunks of `CHUNK`."""
     compiled = object()
     monkeypatch.setattr(master_update, "compiled_update", lambda: compiled)
     monkeypatch.setattr(master_update, "CHUNK", 2)
@@ -171,12 +174,126 @@ def test_the_kernel_leaves_int8_moments_and_strided_tensors_to_the_compiled_upda
                  "step": torch.tensor(0.0)}
         return param, param.bfloat16(), state, None
 
-    taken = [member(torch.float32) for _ in range(3)] + [member(torch.bfloat16) for _ in range(2)]
-    others = [member(torch.uint8) for _ in range(3)] + [member(torch.float32, strided=True)]
+    taken = [member(torch.float32) for _ in range(3)] + [member(torch.uint8) for _ in range(2)]
+    others = [member(torch.float32, strided=True) for _ in range(2)] + [member(torch.uint8, strided=True)]
     calls = master_update.KernelUpdate().calls(others[:2] + taken + others[2:])
-    assert [(run, len(members)) for run, members, _ in calls] == [(adamw_kernel.adamw, 5), (compiled, 2), (compiled, 2)]
+    assert [(run, len(members)) for run, members, _ in calls] == [(adamw_kernel.adamw, 5), (compiled, 2), (compiled, 1)]
     assert [id(m[0]) for m in calls[0][1]] == [id(m[0]) for m in taken]
     assert {id(m[0]) for _, members, _ in calls[1:] for m in members} == {id(m[0]) for m in others}
+
+
+def _int8_members(gen: torch.Generator, device: str = "cpu"):
+    """Parameters with int8 moments, of row lengths below, at and past a block (`INT8_BLOCK`, 256),
+    of two and three dimensions, with bf16 gradients and copies or float32 and none; their moments
+    the codes of random values (`_encode`), at different step counts."""
+    book_m, book_v = master_update.int8_codebooks(torch.device("cpu"))
+    members = []
+    for i, shape in enumerate([(3, 5), (2, 256), (3, 300), (2, 2, 513), (1, 7), (5, 1024)]):
+        grad_dtype, has_copy = [(torch.bfloat16, True), (torch.float32, False)][i % 2]
+        param = torch.randn(shape, generator=gen)
+        state = {"param": param, "grad": (torch.randn(shape, generator=gen) * 0.1).to(grad_dtype),
+                 "step": torch.tensor(float(1 + i % 3)), "copy": param.bfloat16() if has_copy else None}
+        for key, book, values, toward_zero in (("exp_avg", book_m, torch.randn(shape, generator=gen) * 0.01, True),
+                                               ("exp_avg_sq", book_v, torch.rand(shape, generator=gen) * 1e-4, False)):
+            codes, scale = torch.empty(shape, dtype=torch.uint8), master_update._zero_scales(param)
+            master_update._encode(values, codes, scale, book, toward_zero=toward_zero)
+            state[key], state[key + "_scale"] = codes, scale
+        members.append(state)
+    return [{k: None if v is None else v.to(device) for k, v in m.items()} for m in members]
+
+
+def _run_int8(update, members, lr=3e-3, coef=0.7):
+    cloned = [{k: None if v is None else v.clone() for k, v in m.items()} for m in members]
+    columns = [[m[k] for m in cloned] for k in ("param", "grad", "exp_avg", "exp_avg_sq", "step", "copy")]
+    device = members[0]["param"].device
+    scales = [(m["exp_avg_scale"], m["exp_avg_sq_scale"]) for m in cloned]
+    update(*columns, torch.tensor(lr, device=device), torch.tensor(coef, device=device), 0.9, 0.95, 1e-8, 0.1,
+           scales, master_update.int8_codebooks(device))
+    return cloned
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_int8_kernel_is_the_update_a_cpu_runs(device, monkeypatch):
+    """Three steps of the int8 kernel and of `_adamw` from the same codes: the masters agree to
+    float32 rounding, the scales too, each code is the reference's or next to it (a value on a code's
+    boundary may round either way), nearly all are equal; the copies hold the masters, every element
+    moved, and a tensor's padding outside its rows is never written."""
+    monkeypatch.setattr(adamw_kernel, "INT8_BLOCKS", 4)  # a tensor spans several programs,
+    monkeypatch.setattr(adamw_kernel, "INT8_TILE", 2)  # each in two tiles
+    members = _int8_members(torch.Generator().manual_seed(0), device)
+    kernel, reference = members, members
+    for _ in range(3):
+        kernel, reference = _run_int8(adamw_kernel.adamw, kernel), _run_int8(master_update._adamw, reference)
+    differing = 0
+    for start, got, want in zip(members, kernel, reference):
+        assert torch.equal(got["step"], want["step"])
+        assert (got["param"] != start["param"]).all()
+        assert torch.allclose(got["param"], want["param"], rtol=1e-6, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert got[key].dtype == torch.uint8 and got[key].shape == start[key].shape
+            assert torch.allclose(got[key + "_scale"], want[key + "_scale"], rtol=1e-5, atol=0), key
+            step = (got[key].int() - want[key].int()).abs()
+            assert int(step.max()) <= 1, key
+            differing += int(step.sum())
+        if start["copy"] is not None:
+            _assert_copy_holds(got["copy"], got["param"])
+    assert differing <= sum(m["param"].numel() for m in members) // 100, differing
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_int8_kernels_codes_are_bucketize(signed):
+    """`adamw_triton.codes_below`, the map's formula and two gathers, is torch.bucketize's index on
+    every value of the map, on the floats next to each, on values between, on 0 and +-1 and on values
+    far below the map's smallest: where the formula lands one off (a value on a boundary), the
+    gathers must settle it."""
+    @triton.jit
+    def codes_of(x_ptr, out_ptr, book, n, SIGNED: tl.constexpr, WIDTH: tl.constexpr):
+        at = tl.program_id(0) * WIDTH + tl.arange(0, WIDTH)
+        x = tl.load(x_ptr + at, mask=at < n, other=0.0)
+        tl.store(out_ptr + at, adamw_triton.codes_below(x, book, SIGNED), mask=at < n)
+
+    book = master_update.int8_codebooks(torch.device("cpu"))[0 if signed else 1]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([book, torch.nextafter(book, torch.full_like(book, 2.0)),
+                   torch.nextafter(book, torch.full_like(book, -2.0)), (book[1:] + book[:-1]) / 2,
+                   torch.tensor([0.0, 1.0, -1.0, 1e-9, -1e-9, 1e-30, 0.1, 1e-6, 1e-7]),
+                   torch.rand(4096, generator=gen) ** 12, torch.rand(1024, generator=gen)])
+    x = x.clamp(-1.0, 1.0) if signed else x.abs().clamp(max=1.0)
+    got = torch.empty(x.shape, dtype=torch.int32)
+    codes_of[(-(-len(x) // 256),)](x, got, book, len(x), SIGNED=signed, WIDTH=256)
+    want = torch.bucketize(x, book, out_int32=True)
+    assert torch.equal(got, want), (x[got != want], got[got != want], want[got != want])
+
+
+def test_the_int8_kernel_writes_only_its_tensors(monkeypatch):
+    """Tensors with int8 moments laid out in one buffer per role, each followed by elements no tensor
+    owns: a launch over them updates each tensor as `_adamw` does and leaves the elements between
+    untouched (a block past a row's end, or a program past a tensor's last block, would write them)."""
+    monkeypatch.setattr(adamw_kernel, "INT8_BLOCKS", 4)
+    members = [{**m, "grad": m["grad"].bfloat16()} for m in _int8_members(torch.Generator().manual_seed(3))]
+    gap, buffers = 9, {}
+    for key in ("param", "grad", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+        first = members[0][key]
+        buffer = torch.full((sum(m[key].numel() + gap for m in members),), 77, dtype=first.dtype)
+        at = 0
+        for m in members:
+            m[key] = buffer[at:at + m[key].numel()].view(m[key].shape).copy_(m[key])
+            at += m[key].numel() + gap
+        buffers[key] = buffer
+    want = _run_int8(master_update._adamw, members)
+    columns = [[m[k] for m in members] for k in ("param", "grad", "exp_avg", "exp_avg_sq", "step", "copy")]
+    adamw_kernel.adamw(*columns, torch.tensor(3e-3), torch.tensor(0.7), 0.9, 0.95, 1e-8, 0.1,
+                       [(m["exp_avg_scale"], m["exp_avg_sq_scale"]) for m in members],
+                       master_update.int8_codebooks(torch.device("cpu")))
+    for got, reference in zip(members, want):
+        assert torch.allclose(got["param"], reference["param"], rtol=1e-6, atol=1e-7)
+    for key, buffer in buffers.items():
+        owned = torch.zeros(buffer.shape, dtype=torch.bool)
+        at = 0
+        for m in members:
+            owned[at:at + m[key].numel()] = True
+            at += m[key].numel() + gap
+        assert (buffer[~owned] == 77).all(), key
 
 
 def test_a_gpu_launcher_binds_the_kernels_arguments(monkeypatch):

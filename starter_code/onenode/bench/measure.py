@@ -69,7 +69,7 @@ def compile_note(training, warmup: int) -> str | None:
     t = training.recipe.train
     fused = t.fused_update and master_update.applies(training.parallel.master_weights, training.optimizer,
                                                      training.layout.accumulation)
-    compiled_update = fused and master_update.compiled_on_gpu(training.optimizer, t.update_kernel())
+    compiled_update = fused and master_update.compiled_on_gpu(t.update_kernel())
     compiled = (["the fused optimizer update"] * compiled_update
                 + ["the layers"] * (t.compile != "off"))
     if training.device.type != "cuda" or not compiled:

@@ -20,9 +20,22 @@ on the device from each tensor's step count, as `_adamw` computes them, so the h
 
 The math, per element, is `_adamw`'s for float32 and bfloat16 moments, in float32. On a CPU the
 tests run this kernel in Triton's interpreter (`TRITON_INTERPRET=1`) against `_adamw`.
+
+int8 moments (`master_update`'s docstring) have a kernel of their own, `adamw_int8_blocks`: a
+program takes `INT8_BLOCKS` blocks of one tensor (each up to `master_update.INT8_BLOCK` elements of
+a row), decodes both moments, updates, finds each block's new scale and encodes again, all in
+registers: one pass, about 16 bytes a parameter. Inductor's compiled `_adamw` split the same step
+into kernels that wrote the decoded moments and their codes in the padded block layout and read
+them back into the rows: a1-1gpu's step at 1 x 4096 on one H100 took 145 ms with int8 moments
+against 71 with float32; with this kernel 83 (benchmarks/results/2026-12-06-h100-int8-kernel-router/).
+The kernel moves fewer bytes than float32's but is bound by its arithmetic (three IEEE divisions
+and a square root an element, the codes' search), at about a third of the memory's bandwidth:
+its tile sizes changed its time by a few percent (`benchmarks/int8_kernel_configs.py`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -33,7 +46,10 @@ import torch
 BLOCK = 8192
 STEP = 1024
 NUM_WARPS = 8
-_ROLES = 5  # the table's columns: master, gradient, exp_avg, exp_avg_sq, copy (an element offset each)
+# int8 moments: blocks (of up to 256 elements each) a program updates, the blocks it updates at a time, its warps
+INT8_BLOCKS = 16
+INT8_TILE = 1
+INT8_NUM_WARPS = 1
 _TABLES_KEPT = 16  # on the device: block maps (one a kind) and offsets (an eager step's few gradient layouts)
 
 
@@ -48,27 +64,31 @@ def available() -> str | None:
 
 def supports(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
              copy: torch.Tensor | None) -> bool:
-    """Whether one parameter's update can be this kernel's: float32 master, float moments, every
-    tensor contiguous (the kernel reads them as flat runs of elements)."""
+    """Whether one parameter's update can be these kernels': float32 master, float moments or int8
+    codes of its shape, every tensor contiguous (the kernels read them as flat runs of elements)."""
     tensors = [param, grad, exp_avg, exp_avg_sq] + ([] if copy is None else [copy])
-    return (param.dtype == torch.float32 and exp_avg.dtype in (torch.float32, torch.bfloat16)
+    codes = exp_avg.dtype == torch.uint8 and param.ndim >= 2 and exp_avg.shape == param.shape
+    return (param.dtype == torch.float32 and (exp_avg.dtype in (torch.float32, torch.bfloat16) or codes)
             and exp_avg_sq.dtype == exp_avg.dtype and grad.dtype in (torch.float32, torch.bfloat16)
             and (copy is None or copy.dtype in (torch.float32, torch.bfloat16))
             and all(t.is_contiguous() for t in tensors))
 
 
-def _kernel():
-    """The Triton kernel (`adamw_triton`), imported on first use: the kit imports where Triton does not."""
+def _kernel(name: str = "adamw_blocks"):
+    """A Triton kernel of `adamw_triton`, imported on first use: the kit imports where Triton does not."""
     from . import adamw_triton
 
-    return adamw_triton.adamw_blocks
+    return getattr(adamw_triton, name)
 
 
 def adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
           exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], copies: list[torch.Tensor | None],
-          lr: torch.Tensor, coef: torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
-    """`master_update._adamw` (without int8 moments) over all the given parameters, each kind of
-    parameter (`supports`) in one launch. `lr` and `coef` are 0-d float32 tensors on the device."""
+          lr: torch.Tensor, coef: torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
+          scales: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+          codebooks: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """`master_update._adamw` over all the given parameters (`supports`), each kind of parameter in
+    one launch; int8 codes with their blocks' `scales` and the `codebooks`, as `_adamw` takes them.
+    `lr` and `coef` are 0-d float32 tensors on the device."""
     kinds: dict[tuple, list[int]] = {}
     for i, (grad, exp_avg, copy) in enumerate(zip(grads, exp_avgs, copies)):
         kinds.setdefault((grad.dtype, exp_avg.dtype, None if copy is None else copy.dtype), []).append(i)
@@ -76,13 +96,18 @@ def adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[
     step_values = torch.stack([s.to(params[0].device, torch.float32) for s in steps])
     step_sizes = lr / (1 - beta1 ** step_values)
     bias2_sqrts = (1 - beta2 ** step_values).sqrt()
-    for (_, _, copy_dtype), members in kinds.items():
+    hyper = (1 - beta1, beta2, 1 - beta2, eps, weight_decay)  # as `_adamw`'s torch ops round them
+    for (_, moments, copy_dtype), members in kinds.items():
         pick = _to(torch.tensor(members), step_values.device) if len(members) < len(params) else None
         columns = [[params[i] for i in members], [grads[i] for i in members], [exp_avgs[i] for i in members],
                    [exp_avg_sqs[i] for i in members], [copies[i] for i in members] if copy_dtype else None]
-        _launch(columns, step_sizes if pick is None else step_sizes[pick],
-                bias2_sqrts if pick is None else bias2_sqrts[pick], lr, coef,
-                (1 - beta1, beta2, 1 - beta2, eps, weight_decay))  # as `_adamw`'s torch ops round them
+        per_tensor = (step_sizes if pick is None else step_sizes[pick],
+                      bias2_sqrts if pick is None else bias2_sqrts[pick])
+        if moments == torch.uint8:
+            columns += [[scales[i][0] for i in members], [scales[i][1] for i in members]]
+            _launch_int8(columns, *per_tensor, lr, coef, hyper, codebooks)
+        else:
+            _launch(columns, *per_tensor, lr, coef, hyper)
 
 
 def _launch(columns: list, step_sizes: torch.Tensor, bias2_sqrts: torch.Tensor, lr: torch.Tensor,
@@ -90,25 +115,69 @@ def _launch(columns: list, step_sizes: torch.Tensor, bias2_sqrts: torch.Tensor, 
     """One launch over the tensors of one kind: `columns` = masters, gradients, exp_avgs,
     exp_avg_sqs, copies (None: no copies)."""
     bases = [column[0] if column else None for column in columns]
-    blocks, offsets = _tables(columns)
+    rows = _rows(columns)
+    numels = tuple(t.numel() for t in rows[0])
+    blocks = _cached(("blocks", rows[0][0].device, BLOCK, numels), lambda: _Blocks(numels, BLOCK, rows[0][0].device))
+    offsets = _offsets(rows)
     has_copy = columns[4] is not None
     _kernel()[(blocks.count,)](
-        blocks.block_tensor, blocks.first_block, offsets.table, blocks.numels, step_sizes, bias2_sqrts,
+        blocks.block_tensor, blocks.first_block, offsets.table, blocks.units, step_sizes, bias2_sqrts,
         *bases[:4], bases[4] if has_copy else bases[0], lr, coef, *hyper,
         *offsets.align, HAS_COPY=has_copy, BLOCK=BLOCK, STEP=min(STEP, BLOCK), num_warps=NUM_WARPS)
 
 
-class _Blocks:
-    """Which tensor each block of a launch updates, and each tensor's first block and size: they
-    follow the sizes alone, so a run makes them once per kind. Made on the host (a GPU's
-    `repeat_interleave` is a cumulative sum, which deterministic runs may refuse) and copied."""
+def _launch_int8(columns: list, step_sizes: torch.Tensor, bias2_sqrts: torch.Tensor, lr: torch.Tensor,
+                 coef: torch.Tensor, hyper: tuple, codebooks: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """One launch over tensors with int8 moments: `columns` as `_launch`'s, then the exp_avg and
+    exp_avg_sq scales."""
+    from .master_update import INT8_BLOCK
 
-    def __init__(self, numels: tuple[int, ...], device: torch.device):
-        blocks = torch.tensor([-(-n // BLOCK) for n in numels])
+    rows = _rows(columns)
+    device = rows[0][0].device
+    shapes = tuple(tuple(t.shape) for t in rows[0])
+    blocks, layout = _cached(("int8", device, INT8_BLOCKS, shapes), lambda: _int8_layout(shapes, device))
+    offsets = _offsets(rows)
+    has_copy = columns[4] is not None
+    _kernel("adamw_int8_blocks")[(blocks.count,)](
+        blocks.block_tensor, blocks.first_block, offsets.table, layout.table, step_sizes, bias2_sqrts,
+        *[row[0] for row in rows], *codebooks, lr, coef, *hyper, *offsets.align, ROW_ALIGN=layout.align,
+        HAS_COPY=has_copy, BLOCKS=INT8_BLOCKS, TILE=min(INT8_TILE, INT8_BLOCKS), WIDTH=INT8_BLOCK,
+        num_warps=INT8_NUM_WARPS)
+
+
+class _Blocks:
+    """Which tensor each program of a launch updates, and each tensor's first program and size in
+    units (elements, or int8 blocks), `per_program` units a program: they follow the sizes alone,
+    so a run makes them once per kind. Made on the host (a GPU's `repeat_interleave` is a
+    cumulative sum, which deterministic runs may refuse) and copied."""
+
+    def __init__(self, units: tuple[int, ...], per_program: int, device: torch.device):
+        blocks = torch.tensor([-(-n // per_program) for n in units])
         self.count = int(blocks.sum())
         self.first_block = _to((blocks.cumsum(0) - blocks).to(torch.int32), device)
-        self.numels = _to(torch.tensor(numels, dtype=torch.int64), device)
-        self.block_tensor = _to(torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), blocks), device)
+        self.units = _to(torch.tensor(units, dtype=torch.int64), device)
+        self.block_tensor = _to(torch.repeat_interleave(torch.arange(len(units), dtype=torch.int32), blocks), device)
+
+
+class _Int8Layout:
+    """Per tensor with int8 moments: its row length in units of `align` (the largest power of two
+    up to 16 dividing every row length: the kernel multiplies it back, so the compiler knows each
+    block's start aligned), its blocks a row and its blocks in all."""
+
+    def __init__(self, shapes: tuple[tuple[int, ...], ...], device: torch.device):
+        from .master_update import INT8_BLOCK
+
+        lengths = [shape[-1] for shape in shapes]
+        self.align = _alignment(lengths)
+        per_row = [-(-n // min(INT8_BLOCK, n)) for n in lengths]
+        self.blocks = [math.prod(shape[:-1]) * k for shape, k in zip(shapes, per_row)]
+        self.table = _to(torch.tensor([[n // self.align, k, b] for n, k, b in zip(lengths, per_row, self.blocks)],
+                                      dtype=torch.int64), device)
+
+
+def _int8_layout(shapes: tuple[tuple[int, ...], ...], device: torch.device) -> tuple[_Blocks, _Int8Layout]:
+    layout = _Int8Layout(shapes, device)
+    return _Blocks(tuple(layout.blocks), INT8_BLOCKS, device), layout
 
 
 class _Offsets:
@@ -117,6 +186,7 @@ class _Offsets:
     multiplies back (so the compiler knows the addresses aligned: vector loads)."""
 
     def __init__(self, rows: list[list[torch.Tensor]], device: torch.device):
+        roles = len(rows)
         offsets = []
         for tensors in zip(*rows):
             row = []
@@ -127,7 +197,7 @@ class _Offsets:
                                      "the fused update's kernel cannot address it")
                 row.append(distance // tensor.element_size())
             offsets.append(row)
-        self.align = tuple(_alignment([row[role] for row in offsets]) for role in range(_ROLES))
+        self.align = tuple(_alignment([row[role] for row in offsets]) for role in range(roles))
         offsets = [[offset // align for offset, align in zip(row, self.align)] for row in offsets]
         self.table = _to(torch.tensor(offsets, dtype=torch.int64), device)
 
@@ -159,12 +229,14 @@ def _cached(key: tuple, make):
     return value
 
 
-def _tables(columns: list) -> tuple[_Blocks, _Offsets]:
-    """The block map of these tensors' sizes and the offsets of their addresses (`columns` as
-    `_launch`'s; a missing column reads as the masters')."""
-    rows = [column if column is not None else columns[0] for column in columns]
+def _rows(columns: list) -> list[list[torch.Tensor]]:
+    """`columns` (a launch's) with a missing column read as the masters' (never written)."""
+    return [column if column is not None else columns[0] for column in columns]
+
+
+def _offsets(rows: list[list[torch.Tensor]]) -> _Offsets:
+    """The offsets of these tensors' addresses, made again only when their addresses or sizes change."""
     device = rows[0][0].device
-    numels = tuple(t.numel() for t in rows[0])
-    addresses = tuple(t.data_ptr() for column in rows for t in column)
-    return (_cached(("blocks", device, BLOCK, numels), lambda: _Blocks(numels, device)),
-            _cached(("offsets", device, numels, addresses), lambda: _Offsets(rows, device)))
+    key = ("offsets", device, tuple(t.numel() for column in rows for t in column),
+           tuple(t.data_ptr() for column in rows for t in column))
+    return _cached(key, lambda: _Offsets(rows, device))

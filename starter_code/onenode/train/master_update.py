@@ -37,8 +37,10 @@ as 8-bit codes (uint8: indexes into a map of 256 values) and one float32 scale p
 `INT8_BLOCK` values along a row (the block's largest magnitude), with bitsandbytes' dynamic (tree)
 map, signed for exp_avg and unsigned for exp_avg_sq, as bitsandbytes' and torchao's 8-bit AdamW do:
 about 2 bytes of state a parameter. 1-D tensors (norms, biases, a few thousand values) keep float32
-moments. The step decodes, updates in float32 and encodes in `_adamw`, as plain torch ops, so
-inductor fuses it into the update's kernels and a CPU runs the same function; torchao's `AdamW8bit`
+moments. The step decodes, updates in float32 and encodes in `_adamw`, as plain torch ops, which a
+CPU runs; a GPU runs `adamw_kernel`'s int8 kernel, the same math in one pass (inductor's compile of
+`_adamw`, `train.fused_update_kernel: inductor`, split it into kernels that made a1-1gpu's step twice
+as slow as float32 moments, benchmarks/results/2026-12-06-h100-int8-kernel-router/); torchao's `AdamW8bit`
 keeps its codes in a tensor subclass that this chunked update, torch's `load_state_dict`, DCP and
 the replay's hashes do not read as plain tensors, so only its map is taken. Codes are rounded toward
 zero (exp_avg) and up (exp_avg_sq), not to the nearest: every stored state then keeps AdamW's
@@ -259,12 +261,10 @@ def update_on(device: torch.device, kernel: str = "triton"):
     return ChunkedUpdate(compiled_update())
 
 
-def compiled_on_gpu(optimizer: torch.optim.Optimizer, kernel: str = "triton") -> bool:
-    """Whether this optimizer's fused update is `_adamw` compiled by inductor on a GPU (a graph per
-    distinct chunk: a minute or more cold), not `adamw_kernel`'s: `kernel` inductor, int8 moments,
-    or no Triton."""
-    return (kernel != "triton" or getattr(optimizer, "moments_dtype", None) == torch.uint8
-            or adamw_kernel.available() is not None)
+def compiled_on_gpu(kernel: str = "triton") -> bool:
+    """Whether the fused update is `_adamw` compiled by inductor on a GPU (a graph per
+    distinct chunk: a minute or more cold), not `adamw_kernel`'s: `kernel` inductor, or no Triton."""
+    return kernel != "triton" or adamw_kernel.available() is not None
 
 
 class ChunkedUpdate:
@@ -281,8 +281,8 @@ class ChunkedUpdate:
 
 class KernelUpdate:
     """`adamw_kernel`'s launches over every member of a group it takes (`adamw_kernel.supports`),
-    in one call: it needs no chunks, and launches once per kind of parameter. The others (int8
-    moments, a tensor not contiguous) go to `_adamw` compiled, in chunks."""
+    in one call: it needs no chunks, and launches once per kind of parameter. The others (a tensor
+    not contiguous) go to `_adamw` compiled, in chunks."""
 
     def calls(self, members: list) -> list[tuple]:
         takes = [adamw_kernel.supports(param, grad, state["exp_avg"], state["exp_avg_sq"], copy)
