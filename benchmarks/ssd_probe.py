@@ -2,7 +2,10 @@
 
     PYTHONPATH=starter_code python3 benchmarks/ssd_probe.py --preset a1-1gpu --seq-len 4096 --out ssd.json
 
-Candidates: the kit's torch `ssd_chunked` eager, the same under `torch.compile`, and mamba_ssm's
+Candidates: the kit's torch `ssd_chunked` eager, the same under `torch.compile`, both again with
+the states carried across chunks by a recurrence (`carry_by_recurrence`: one pass a chunk, as
+mamba_ssm's state passing, where the kit's `carry_across_chunks` is one float32 product with the
+matrix of decays), and mamba_ssm's
 Triton SSD where it imports (the kit's op around it, `model/mamba_ssm_scan.py`, eager and under
 `torch.compile(fullgraph=True)`). Each runs forward + backward on the shapes
 of one Mamba layer of the preset (bf16 x, B, C as the bf16 model makes them; float32 dt, A, D), timed with
@@ -20,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from onenode.model import get_preset, mamba_ssm_scan
+from onenode.model import get_preset, mamba2, mamba_ssm_scan
 from onenode.model.mamba2 import ssd_chunked
 
 MAX_RELATIVE_ERROR = 2e-2  # bf16 inputs: about 1e-3 is typical, a wrong scan is off by O(1)
@@ -44,6 +47,30 @@ def inputs(preset: str, batch: int, seq_len: int, device: torch.device) -> tuple
         "D": torch.ones(h, device=device),
     }
     return tensors, config.chunk_size, randn(batch, seq_len, h, p)
+
+
+def carry_by_recurrence(chunk_states: torch.Tensor, chunk_logdecay: torch.Tensor) -> torch.Tensor:
+    """`mamba2.carry_across_chunks` as a recurrence over the chunks: the state entering chunk z+1 is
+    the one entering z, decayed over z, plus z's own; a pass over the states a chunk, no matrix."""
+    decay = torch.exp(chunk_logdecay).permute(0, 3, 1, 2)[..., None, None]  # [b, c, g, r, 1, 1]
+    state = torch.zeros_like(chunk_states[:, 0])
+    entering = []
+    for z in range(chunk_states.shape[1]):
+        entering.append(state)
+        state = state * decay[:, z] + chunk_states[:, z]
+    return torch.stack(entering, dim=1)
+
+
+def with_carry(carry, fn):
+    """`fn` run with `mamba2.carry_across_chunks` replaced by `carry` (compiled functions trace it)."""
+    def run(*args, **kwargs):
+        kept = mamba2.carry_across_chunks
+        mamba2.carry_across_chunks = carry
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            mamba2.carry_across_chunks = kept
+    return run
 
 
 def forward_backward(fn, tensors: dict, chunk: int, grad_out: torch.Tensor) -> tuple[torch.Tensor, list]:
@@ -89,9 +116,10 @@ def main() -> int:
 
     tensors, chunk, grad_out = inputs(args.preset, args.batch, args.seq_len, device)
     reference = forward_backward(ssd_chunked, {k: v.double() for k, v in tensors.items()}, chunk, grad_out.double())
-    candidates = {"torch": ssd_chunked}
+    candidates = {"torch": ssd_chunked, "torch-recurrence": with_carry(carry_by_recurrence, ssd_chunked)}
     if not args.no_compile:
         candidates["torch-compiled"] = torch.compile(ssd_chunked)
+        candidates["torch-recurrence-compiled"] = with_carry(carry_by_recurrence, torch.compile(ssd_chunked))
     loaded, why_not = mamba_ssm_scan.load_kernels()
     if loaded is not None and device.type == "cuda":
         candidates["mamba_ssm"] = mamba_ssm_scan.chunk_scan

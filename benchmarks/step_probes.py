@@ -13,6 +13,7 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py unfused-update -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py update-chunk --chunk 4 -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py router-bf16-gemm -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py ssd-carry-recurrence -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
 - `tf32`: float32 matmuls (the router, the SSD's cross-chunk carry) on TF32 tensor cores;
@@ -40,10 +41,14 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
   calls a step;
 - `router-bf16-gemm`: each router's logits as a bf16 GEMM that accumulates and returns float32
   (`torch.mm(..., out_dtype=torch.float32)`) on tensor cores, the gradients' GEMMs likewise from the
-  logits' gradient rounded to bf16, not `F.linear` on float32 copies on CUDA cores (16 ms of the A2
-  baseline's 260 ms step on one H100, results/2026-12-06-h100-expert-counts-int8/). Under the kit's
-  bf16 copies the router's inputs are bf16 values, so the forward's products are the same and only
-  their order of summation differs; a global TF32 (`tf32`) made the step slower there. A GPU only.
+  logits' gradient rounded to bf16, not `F.linear` on float32 copies on CUDA cores (about 3 ms of
+  the A2 baseline's 257 ms step on one H100: +0.6%, results/2026-12-06-h100-int8-kernel-router/).
+  Under the kit's bf16 copies the router's inputs are bf16 values, so the forward's products are the
+  same and only their order of summation differs; a global TF32 (`tf32`) made the step slower there.
+  A GPU only;
+- `ssd-carry-recurrence`: the torch SSD scan's states carried across chunks by a recurrence
+  (`ssd_probe.carry_by_recurrence`), not `model/mamba2.py`'s float32 product with the matrix of
+  decays (three CUDA-core GEMMs, about 13 ms of that step).
 
 Probes combine: `fsdp-one-rank one-unit -- ...` applies both.
 
@@ -138,7 +143,7 @@ def main() -> int:
     parser.add_argument("probes", nargs="+", metavar="PROBE",
                         choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
                                  "router-own-unit", "one-unit", "fsdp-one-rank", "unfused-update",
-                                 "update-chunk", "router-bf16-gemm"])
+                                 "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
     parser.add_argument("--chunk", type=int, help="update-chunk: parameters per compiled update call")
     parser.add_argument("--mode", choices=["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
@@ -179,6 +184,12 @@ def main() -> int:
             bench_options += ["--set", "train.fused_update_kernel=inductor"]  # the Triton kernel takes no chunks
         elif probe == "router-bf16-gemm":
             route_on_bf16_gemms()
+        elif probe == "ssd-carry-recurrence":
+            from ssd_probe import carry_by_recurrence  # this folder's: the script's own is on sys.path
+
+            from onenode.model import mamba2
+
+            mamba2.carry_across_chunks = carry_by_recurrence
         elif not torch.cuda.is_available():
             parser.error("host-syncs counts waits for a CUDA GPU: none is visible here")
         else:

@@ -95,3 +95,26 @@ def test_causal_conv_equals_the_depthwise_conv1d():
     for t in (1, 3, 9):
         x = torch.randn(2, t, 6, dtype=torch.float64, generator=gen)
         torch.testing.assert_close(ours(x), conv(x.transpose(1, 2))[..., :t].transpose(1, 2))
+
+
+def test_the_probes_carry_by_recurrence_is_the_kits_carry():
+    """benchmarks/ssd_probe.py's states carried by a recurrence over the chunks (also the step
+    probe `ssd-carry-recurrence`) are `carry_across_chunks`' in float64, and the scan through it is
+    the step-by-step recurrence: the probes time the same scan."""
+    import importlib.util
+    from pathlib import Path
+
+    from onenode.model import mamba2
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ssd_probe.py"
+    spec = importlib.util.spec_from_file_location("ssd_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(2, 5, 2, 3, 4, 6, dtype=torch.float64, generator=g)
+    logdecay = -torch.rand(2, 2, 3, 5, dtype=torch.float64, generator=g) * 3
+    torch.testing.assert_close(probe.carry_by_recurrence(states, logdecay), mamba2.carry_across_chunks(states, logdecay),
+                               rtol=1e-12, atol=1e-12)
+    inp = _inputs(3 * CHUNK + 2)
+    torch.testing.assert_close(probe.with_carry(probe.carry_by_recurrence, ssd_chunked)(**inp, chunk_size=CHUNK),
+                               ssd_naive(**inp), rtol=1e-10, atol=1e-10)

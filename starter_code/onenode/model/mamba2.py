@@ -36,6 +36,15 @@ def _segment_sum(a: torch.Tensor) -> torch.Tensor:
     return a.cumsum(dim=-2).masked_fill(~torch.tril(ones), -torch.inf)
 
 
+def carry_across_chunks(chunk_states: torch.Tensor, chunk_logdecay: torch.Tensor) -> torch.Tensor:
+    """The state entering each chunk: the sum of every earlier chunk's own state (`chunk_states`
+    [b, c, g, r, p, n]), decayed over the chunks in between (`chunk_logdecay` [b, g, r, c], each
+    chunk's summed dt A), as one product with the [c+1, c+1] matrix of decays: [b, c, g, r, p, n]."""
+    chunk_states = torch.cat([torch.zeros_like(chunk_states[:, :1]), chunk_states], dim=1)
+    chunk_decay = torch.exp(_segment_sum(F.pad(chunk_logdecay, (1, 0))))  # [b, g, r, c+1, c+1]
+    return torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, chunk_states)[:, :-1]
+
+
 def ssd_chunked(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -84,12 +93,8 @@ def ssd_chunked(
     decay_to_end = torch.exp(a_cum[..., -1:] - a_cum).permute(0, 3, 4, 1, 2)  # [b, c, l, g, r]
     chunk_states = torch.einsum("bclgn,bclgrp->bcgrpn", Bc, (dtx * decay_to_end[..., None]).to(operands))
 
-    # 3. Carry the states across chunks: the state entering chunk z sums every earlier chunk's
-    #    state, decayed over the chunks in between.
-    chunk_states = chunk_states.to(dtype)
-    chunk_states = torch.cat([torch.zeros_like(chunk_states[:, :1]), chunk_states], dim=1)
-    chunk_decay = torch.exp(_segment_sum(F.pad(a_cum[..., -1], (1, 0))))  # [b, g, r, c+1, c+1]
-    start_states = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, chunk_states)[:, :-1]
+    # 3. Carry the states across chunks.
+    start_states = carry_across_chunks(chunk_states.to(dtype), a_cum[..., -1])
 
     # 4. What the incoming state contributes inside each chunk.
     decay_from_start = torch.exp(a_cum).permute(0, 3, 4, 1, 2)  # [b, c, l, g, r]
