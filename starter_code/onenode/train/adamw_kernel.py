@@ -28,9 +28,10 @@ registers: one pass, about 16 bytes a parameter. Inductor's compiled `_adamw` sp
 into kernels that wrote the decoded moments and their codes in the padded block layout and read
 them back into the rows: a1-1gpu's step at 1 x 4096 on one H100 took 145 ms with int8 moments
 against 71 with float32; with this kernel 83 (benchmarks/results/2026-12-06-h100-int8-kernel-router/).
-The kernel moves fewer bytes than float32's but is bound by its arithmetic (three IEEE divisions
-and a square root an element, the codes' search), at about a third of the memory's bandwidth:
-its tile sizes changed its time by a few percent (`benchmarks/int8_kernel_configs.py`).
+The kernel moves fewer bytes than float32's but is bound by its arithmetic, not the memory: its
+tile sizes changed its time by a few percent (`benchmarks/int8_kernel_configs.py`), while the
+encode's divisions made products with each block's reciprocal took it from 35.1 to 28.6 ms over
+a1-1gpu's parameters (float32 moments: 24.3).
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def codes_below(x, book, SIGNED: tl.constexpr):
     a = tl.abs(x)
     d = tl.minimum(tl.maximum(tl.ceil(tl.log2(a) * 0.3010299956639812) + 6.0, 0.0), 6.0)  # |x| = 0: 0
     k = tl.exp2(d) if SIGNED else tl.exp2(d + 1.0)
-    place = (a / tl.exp2((d - 6.0) * 3.321928094887362) - 0.1) / 0.9 * k - 0.5  # |x| in the decade, in means
+    place = (a * tl.exp2((6.0 - d) * 3.321928094887362) - 0.1) * (k / 0.9) - 0.5  # |x| in the decade, in means
     below = k - (1.0 if SIGNED else 2.0) + tl.minimum(tl.maximum(tl.ceil(place), 0.0), k)  # one sign's means
     if SIGNED:  # the negatives mirror the positives, and 0 sits at 127
         count = tl.where(x > 0, 128.0 + below, 127.0 - below)
@@ -124,7 +124,12 @@ def encode(x, book, valid, SIGNED: tl.constexpr, TOWARD_ZERO: tl.constexpr):
     the codes (uint8) and each block's scale, its largest magnitude."""
     x = tl.where(valid, x, 0.0)
     scale = tl.reduce(tl.abs(x), 1, larger)
-    normed = tl.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
+    # a product with the scale's reciprocal, not a division an element: 18% of the kernel's time on one H100
+    # (benchmarks/results/2026-12-06-h100-int8-kernel-router/). A value on a code's boundary may land one
+    # code off the division's; the block's largest stays exactly +-1 (its product can fall an ulp short, and
+    # rounded toward zero would lose a whole code)
+    normed = x * (1.0 / tl.where(scale > 0, scale, 1.0))[:, None]
+    normed = tl.where(tl.abs(x) == scale[:, None], tl.where(x < 0, -1.0, 1.0), normed)
     normed = tl.minimum(tl.maximum(normed, -1.0), 1.0)
     codes = codes_below(normed, book, SIGNED)  # the smallest code value at least each
     if TOWARD_ZERO:  # at or below each of its sign's magnitude: one below where that value is above it
