@@ -113,8 +113,8 @@ def test_the_probes_carry_by_recurrence_is_the_kits_carry():
     g = torch.Generator().manual_seed(0)
     states = torch.randn(2, 5, 2, 3, 4, 6, dtype=torch.float64, generator=g)
     logdecay = -torch.rand(2, 2, 3, 5, dtype=torch.float64, generator=g) * 3
-    torch.testing.assert_close(probe.carry_by_recurrence(states, logdecay), mamba2.carry_across_chunks(states, logdecay),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(probe.carry_by_recurrence(states, logdecay),
+                               mamba2.carry_across_chunks(states, logdecay), rtol=1e-12, atol=1e-12)
     inp = _inputs(3 * CHUNK + 2)
     torch.testing.assert_close(probe.with_carry(probe.carry_by_recurrence, ssd_chunked)(**inp, chunk_size=CHUNK),
                                ssd_naive(**inp), rtol=1e-10, atol=1e-10)
