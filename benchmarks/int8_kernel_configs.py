@@ -25,7 +25,7 @@ BYTES = {"int8": 16, "float32": 28, "bfloat16": 20}  # read and written per para
 def members(preset: str, moments: str) -> list[dict]:
     """Every parameter of `preset`'s model as the update sees it, random values on the GPU."""
     from onenode.model import build_model, get_preset
-    from onenode.train import master_update
+    from onenode.train import adamw_kernel
 
     shapes = [tuple(p.shape) for p in build_model(get_preset(preset), device="meta").parameters()]
     out = []
@@ -39,8 +39,9 @@ def members(preset: str, moments: str) -> list[dict]:
              (torch.randn(shape, device="cuda") * 1e-3).to(dtype),
              "exp_avg_sq": torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8) if int8 else
              (torch.rand(shape, device="cuda") * 1e-6).to(dtype)}
-        if int8:
-            m["scales"] = (master_update._zero_scales(param) + 1e-3, master_update._zero_scales(param) + 1e-6)
+        if int8:  # one scale a block of a row
+            blocks = (*shape[:-1], -(-shape[-1] // min(adamw_kernel.INT8_BLOCK, shape[-1])))
+            m["scales"] = (torch.full(blocks, 1e-3, device="cuda"), torch.full(blocks, 1e-6, device="cuda"))
         out.append(m)
     return out
 

@@ -22,7 +22,7 @@ The math, per element, is `_adamw`'s for float32 and bfloat16 moments, in float3
 tests run this kernel in Triton's interpreter (`TRITON_INTERPRET=1`) against `_adamw`.
 
 int8 moments (`master_update`'s docstring) have a kernel of their own, `adamw_int8_blocks`: a
-program takes `INT8_BLOCKS` blocks of one tensor (each up to `master_update.INT8_BLOCK` elements of
+program takes `INT8_BLOCKS` blocks of one tensor (each up to `INT8_BLOCK` elements of
 a row), decodes both moments, updates, finds each block's new scale and encodes again, all in
 registers: one pass, about 16 bytes a parameter. Inductor's compiled `_adamw` split the same step
 into kernels that wrote the decoded moments and their codes in the padded block layout and read
@@ -47,7 +47,9 @@ import torch
 BLOCK = 8192
 STEP = 1024
 NUM_WARPS = 8
-# int8 moments: blocks (of up to 256 elements each) a program updates, the blocks it updates at a time, its warps
+# int8 moments (`master_update`'s docstring): the elements one scale covers along a row (a shorter row is one
+# block), the state's format; then the blocks a program updates, the blocks it updates at a time, its warps
+INT8_BLOCK = 256
 INT8_BLOCKS = 16
 INT8_TILE = 1
 INT8_NUM_WARPS = 1
@@ -131,8 +133,6 @@ def _launch_int8(columns: list, step_sizes: torch.Tensor, bias2_sqrts: torch.Ten
                  coef: torch.Tensor, hyper: tuple, codebooks: tuple[torch.Tensor, torch.Tensor]) -> None:
     """One launch over tensors with int8 moments: `columns` as `_launch`'s, then the exp_avg and
     exp_avg_sq scales."""
-    from .master_update import INT8_BLOCK
-
     rows = _rows(columns)
     device = rows[0][0].device
     shapes = tuple(tuple(t.shape) for t in rows[0])
@@ -166,8 +166,6 @@ class _Int8Layout:
     block's start aligned), its blocks a row and its blocks in all."""
 
     def __init__(self, shapes: tuple[tuple[int, ...], ...], device: torch.device):
-        from .master_update import INT8_BLOCK
-
         lengths = [shape[-1] for shape in shapes]
         self.align = _alignment(lengths)
         per_row = [-(-n // min(INT8_BLOCK, n)) for n in lengths]

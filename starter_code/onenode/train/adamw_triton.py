@@ -142,7 +142,7 @@ def int8_tile(block, count, row_len, per_row, p_base, g_base, m_base, v_base, c_
               exp_avg_book, exp_avg_sq_book, lr, coef, step_size, bias2_sqrt, one_minus_beta1, beta2,
               one_minus_beta2, eps, weight_decay, HAS_COPY: tl.constexpr, WIDTH: tl.constexpr):
     """The int8 blocks `block` [TILE] of one tensor, a tile [TILE, WIDTH]: each block up to WIDTH
-    (`master_update.INT8_BLOCK`) elements of one row, its moments decoded, updated and encoded again
+    (`adamw_kernel.INT8_BLOCK`) elements of one row, its moments decoded, updated and encoded again
     in registers. The `*_base` pointers are the tensor's first element (scales: first block)."""
     row = block // per_row
     column = (block - row * per_row) * WIDTH  # a row of WIDTH or fewer elements is one block

@@ -156,7 +156,7 @@ def _adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list
             copy.copy_(param)
 
 
-INT8_BLOCK = 256  # elements a scale covers, along a row (the last dimension; a shorter row is one block)
+INT8_BLOCK = adamw_kernel.INT8_BLOCK  # elements a scale covers, along a row (a shorter row is one block)
 
 
 def dynamic_map(signed: bool) -> list[float]:
