@@ -6,7 +6,9 @@ the vector loads and stores of a whole block (16 bytes each). No GPU needed.
     PYTHONPATH=starter_code python3 benchmarks/adamw_kernel_ptx.py [--block N --warps W ...] [--out F.json]
 
 One row per kind of parameter (the gradient's and moments' dtypes, with or without a bf16 copy) and
-per (block, step, warps) asked for; the kit's own `BLOCK`, `STEP` and `NUM_WARPS` by default.
+per (block, step, warps) asked for; the kit's own `BLOCK`, `STEP` and `NUM_WARPS` by default. A last
+row for the int8 moments' kernel (`adamw_int8_blocks`) at the kit's `INT8_BLOCKS`, `INT8_TILE` and
+`INT8_NUM_WARPS`: it is bound by its arithmetic, not its loads, so it takes more registers.
 """
 
 from __future__ import annotations
@@ -24,27 +26,37 @@ KINDS = {  # name: (gradients, moments, copies)
     "fp32-grad": ("*fp32", "*fp32", None),
     "bf16-moments": ("*bf16", "*bf16", "*bf16"),
 }
+INT8 = {"int8": ("*bf16", "*u8", "*bf16")}  # the int8 kernel's, bf16 gradients and copies
 
 
 def compiled(kind: str, block: int, step: int, warps: int, arch: int = 90):
-    """The kernel compiled for `kind`: `block` elements a program, `step` at a time, `warps` warps."""
+    """The kernel compiled for `kind`: `block` elements a program, `step` at a time, `warps` warps
+    (`int8`: `adamw_int8_blocks` with `block` int8 blocks a program, `step` at a time)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from onenode.train import adamw_triton
+    from onenode.train import adamw_kernel, adamw_triton
 
-    grads, moments, copies = KINDS[kind]
-    pointers = {"block_tensor": "*i32", "tensor_first_block": "*i32", "offsets": "*i64", "numels": "*i64",
-                "step_sizes": "*fp32", "bias2_sqrts": "*fp32", "masters": "*fp32", "grads": grads,
-                "exp_avgs": moments, "exp_avg_sqs": moments, "copies": copies or "*fp32", "lr_ptr": "*fp32",
-                "coef_ptr": "*fp32"}
+    grads, moments, copies = {**KINDS, **INT8}[kind]
+    pointers = {"block_tensor": "*i32", "tensor_first_block": "*i32", "offsets": "*i64",
+                "rows" if kind == "int8" else "numels": "*i64", "step_sizes": "*fp32", "bias2_sqrts": "*fp32",
+                "masters": "*fp32", "grads": grads, "exp_avgs": moments, "exp_avg_sqs": moments,
+                "copies": copies or "*fp32"}
+    if kind == "int8":
+        pointers |= dict.fromkeys(("exp_avg_scales", "exp_avg_sq_scales", "exp_avg_book", "exp_avg_sq_book"), "*fp32")
+    pointers |= {"lr_ptr": "*fp32", "coef_ptr": "*fp32"}
     scalars = {name: "fp32" for name in ("one_minus_beta1", "beta2", "one_minus_beta2", "eps", "weight_decay")}
-    constants = {"P_ALIGN": 16, "G_ALIGN": 16, "M_ALIGN": 16, "V_ALIGN": 16, "C_ALIGN": 16,
-                 "HAS_COPY": copies is not None, "BLOCK": block, "STEP": step}
+    constants = {"P_ALIGN": 16, "G_ALIGN": 16, "M_ALIGN": 16, "V_ALIGN": 16, "C_ALIGN": 16}
+    if kind == "int8":
+        constants |= {"MS_ALIGN": 16, "VS_ALIGN": 16, "ROW_ALIGN": 16, "HAS_COPY": True, "BLOCKS": block,
+                      "TILE": step, "WIDTH": adamw_kernel.INT8_BLOCK}
+    else:
+        constants |= {"HAS_COPY": copies is not None, "BLOCK": block, "STEP": step}
     signature = {**pointers, **scalars, **{name: "constexpr" for name in constants}}
     names = list(signature)
-    source = ASTSource(adamw_triton.adamw_blocks, signature,
+    kernel = adamw_triton.adamw_int8_blocks if kind == "int8" else adamw_triton.adamw_blocks
+    source = ASTSource(kernel, signature,
                        constexprs={(names.index(name),): value for name, value in constants.items()},
                        attrs={(names.index(name),): [["tt.divisibility", 16]] for name in pointers})
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
@@ -83,6 +95,7 @@ def main() -> int:
         raise SystemExit("adamw_kernel_ptx: triton does not import: pip install triton (make setup does)") from None
     rows = [facts(kind, block, step, warps) for block in args.block for step in args.step if step <= block
             for warps in args.warps for kind in KINDS]
+    rows.append(facts("int8", adamw_kernel.INT8_BLOCKS, adamw_kernel.INT8_TILE, adamw_kernel.INT8_NUM_WARPS))
     for row in rows:
         print(f"{row['kind']:16} block {row['block']:5} step {row['step']:5} warps {row['warps']:2}: "
               f"{row['registers']:3} registers"

@@ -346,3 +346,5 @@ def test_the_kernel_compiles_for_a_hopper_gpu_with_few_registers_and_vector_load
     for row in rows:
         assert not row["spills"] and row["registers"] <= 64, row
         assert row["vector_loads"] >= 3 and row["vector_stores"] >= 3, row
+    int8 = ptx.facts("int8", adamw_kernel.INT8_BLOCKS, adamw_kernel.INT8_TILE, adamw_kernel.INT8_NUM_WARPS)
+    assert not int8["spills"] and int8["vector_loads"] >= 3 and int8["vector_stores"] >= 3, int8  # int8's kernel
