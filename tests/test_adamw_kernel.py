@@ -80,10 +80,13 @@ def _members(gen: torch.Generator, moments: torch.dtype, device: str = "cpu"):
 
 
 def _run(update, members, lr=3e-3, coef=0.7):
+    """`update` on clones of `members`, with their int8 scales and the codebooks where they have them."""
     cloned = [{k: None if v is None else v.clone() for k, v in m.items()} for m in members]
     columns = [[m[k] for m in cloned] for k in ("param", "grad", "exp_avg", "exp_avg_sq", "step", "copy")]
     device = members[0]["param"].device
-    update(*columns, torch.tensor(lr, device=device), torch.tensor(coef, device=device), 0.9, 0.95, 1e-8, 0.1)
+    int8 = ([[(m["exp_avg_scale"], m["exp_avg_sq_scale"]) for m in cloned], master_update.int8_codebooks(device)]
+            if "exp_avg_scale" in cloned[0] else [])
+    update(*columns, torch.tensor(lr, device=device), torch.tensor(coef, device=device), 0.9, 0.95, 1e-8, 0.1, *int8)
     return cloned
 
 
@@ -202,16 +205,6 @@ def _int8_members(gen: torch.Generator, device: str = "cpu"):
     return [{k: None if v is None else v.to(device) for k, v in m.items()} for m in members]
 
 
-def _run_int8(update, members, lr=3e-3, coef=0.7):
-    cloned = [{k: None if v is None else v.clone() for k, v in m.items()} for m in members]
-    columns = [[m[k] for m in cloned] for k in ("param", "grad", "exp_avg", "exp_avg_sq", "step", "copy")]
-    device = members[0]["param"].device
-    scales = [(m["exp_avg_scale"], m["exp_avg_sq_scale"]) for m in cloned]
-    update(*columns, torch.tensor(lr, device=device), torch.tensor(coef, device=device), 0.9, 0.95, 1e-8, 0.1,
-           scales, master_update.int8_codebooks(device))
-    return cloned
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_int8_kernel_is_the_update_a_cpu_runs(device, monkeypatch):
     """Three steps of the int8 kernel and of `_adamw` from the same codes: the masters agree to
@@ -223,7 +216,7 @@ def test_the_int8_kernel_is_the_update_a_cpu_runs(device, monkeypatch):
     members = _int8_members(torch.Generator().manual_seed(0), device)
     kernel, reference = members, members
     for _ in range(3):
-        kernel, reference = _run_int8(adamw_kernel.adamw, kernel), _run_int8(master_update._adamw, reference)
+        kernel, reference = _run(adamw_kernel.adamw, kernel), _run(master_update._adamw, reference)
     differing = 0
     for start, got, want in zip(members, kernel, reference):
         assert torch.equal(got["step"], want["step"])
@@ -280,7 +273,7 @@ def test_the_int8_kernel_writes_only_its_tensors(monkeypatch):
             m[key] = buffer[at:at + m[key].numel()].view(m[key].shape).copy_(m[key])
             at += m[key].numel() + gap
         buffers[key] = buffer
-    want = _run_int8(master_update._adamw, members)
+    want = _run(master_update._adamw, members)
     columns = [[m[k] for m in members] for k in ("param", "grad", "exp_avg", "exp_avg_sq", "step", "copy")]
     adamw_kernel.adamw(*columns, torch.tensor(3e-3), torch.tensor(0.7), 0.9, 0.95, 1e-8, 0.1,
                        [(m["exp_avg_scale"], m["exp_avg_sq_scale"]) for m in members],

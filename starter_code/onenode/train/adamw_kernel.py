@@ -175,6 +175,7 @@ class _Int8Layout:
 
 
 def _int8_layout(shapes: tuple[tuple[int, ...], ...], device: torch.device) -> tuple[_Blocks, _Int8Layout]:
+    """The program map over these tensors' int8 blocks, `INT8_BLOCKS` a program, and their layout."""
     layout = _Int8Layout(shapes, device)
     return _Blocks(tuple(layout.blocks), INT8_BLOCKS, device), layout
 
