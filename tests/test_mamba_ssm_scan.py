@@ -7,6 +7,7 @@ gradients, and that `torch.compile(fullgraph=True)` traces through the op withou
 
 import concurrent.futures
 import sys
+import types
 
 import pytest
 import torch
@@ -126,3 +127,40 @@ def test_the_default_scan_is_torchs_whatever_is_installed():
     from onenode.model.mamba2 import Mamba2Mixer
 
     assert Mamba2Mixer(get_preset("tiny")).ssd is ssd_chunked
+
+
+def _module(**names):
+    return types.SimpleNamespace(_mamba_chunk_scan_combined_fwd=None, _mamba_chunk_scan_combined_bwd=None, **names)
+
+
+def test_the_kernels_know_whether_they_were_imported_deterministic():
+    assert mamba_ssm_scan.kernels_of(_module()).deterministic is None  # mamba-ssm before 2.3
+    for mode in (False, True):
+        assert mamba_ssm_scan.kernels_of(_module(use_deterministic_mode=lambda mode=mode: mode)).deterministic is mode
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("deterministic, why", [(None, "mamba-ssm >= 2.3"), (False, "imported before")])
+def test_a_scan_that_could_differ_between_runs_is_refused_under_deterministic_kernels(
+        monkeypatch, deterministic_algorithms, deterministic, why):
+    loaded = mamba_ssm_scan.Kernels(_stand_in_forward, _stand_in_backward, deterministic)
+    monkeypatch.setattr(mamba_ssm_scan, "load_kernels", lambda: (loaded, ""))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(mamba_ssm_scan.KernelUnavailableError, match=why) as info:
+        select_ssd("mamba_ssm")
+    assert "mamba_kernel='torch'" in str(info.value) and "\n" not in str(info.value)
+    assert select_ssd("auto") is ssd_chunked
+
+
+def test_a_deterministic_import_is_chosen_under_deterministic_kernels(monkeypatch, deterministic_algorithms):
+    loaded = mamba_ssm_scan.Kernels(_stand_in_forward, _stand_in_backward, True)
+    monkeypatch.setattr(mamba_ssm_scan, "load_kernels", lambda: (loaded, ""))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert select_ssd("mamba_ssm") is mamba_ssm_scan.chunk_scan
+    assert select_ssd("auto") is mamba_ssm_scan.chunk_scan

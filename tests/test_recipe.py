@@ -72,7 +72,7 @@ def _write(tmp_path, text: str) -> Path:
     ("model: {preset: tiny, pattern: MXE}", "model: hybrid_override_pattern"),
     ("model: {preset: huge}", "model: unknown preset 'huge'"),
     ("model: {preset: tiny, mamba_kernel: auto}\ntrain: {token_budget: 4096, seq_len: 16, global_batch_size: 4, "
-     "deterministic: true}", "train.deterministic: needs model.mamba_kernel: torch"),
+     "deterministic: true}", "train.deterministic: needs model.mamba_kernel torch or mamba_ssm"),
     ("seeds: 1", "seeds: unknown key"),
     ("train: [1, 2]", "train: must be a mapping"),
     ("train: {token_budget: 1e6, seq_len: 8", "not valid YAML"),

@@ -131,12 +131,19 @@ def ssd_naive(
 
 
 def select_ssd(kernel: str) -> Callable:
-    """The scan for `config.mamba_kernel`: "torch"; "mamba_ssm" (an error where it does not import
-    or no GPU is present); "auto" (mamba_ssm's where it imports and a GPU is present, else torch).
-    Called once per mixer, when it is built; mamba_ssm's kernel then needs CUDA tensors."""
+    """The scan for `config.mamba_kernel`: "torch"; "mamba_ssm" (an error where it does not import,
+    no GPU is present, or torch's deterministic algorithms are on and its kernels would not give the
+    same bits on every run); "auto" (mamba_ssm's where it could be chosen, else torch). Called once
+    per mixer, when it is built; mamba_ssm's kernel then needs CUDA tensors."""
     if kernel == "torch":
         return ssd_chunked
     loaded, why_not = mamba_ssm_scan.load_kernels()
+    if loaded is not None and torch.are_deterministic_algorithms_enabled():
+        why_not = mamba_ssm_scan.why_not_deterministic(loaded)
+        if why_not and kernel == "mamba_ssm":
+            raise mamba_ssm_scan.KernelUnavailableError(
+                f"mamba_kernel='mamba_ssm' under deterministic kernels: {why_not}; or set mamba_kernel='torch'")
+        loaded = None if why_not else loaded
     if kernel == "mamba_ssm":
         if loaded is None:
             raise mamba_ssm_scan.KernelUnavailableError(

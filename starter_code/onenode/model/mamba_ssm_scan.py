@@ -32,10 +32,12 @@ class KernelUnavailableError(RuntimeError):
 
 class Kernels(NamedTuple):
     """forward(x, dt, A, B, C, chunk_size, D) -> y; backward(dy, x, dt, A, B, C, y, chunk_size, D) ->
-    (dx, ddt, dA, dB, dC, dD)."""
+    (dx, ddt, dA, dB, dC, dD). `deterministic`: None where this mamba-ssm has no deterministic mode
+    (before 2.3), else whether it was on when the kernels were imported (see `why_not_deterministic`)."""
 
     forward: object
     backward: object
+    deterministic: bool | None = None
 
 
 def import_skipping_package_init(module: str) -> types.ModuleType:
@@ -66,13 +68,37 @@ def load_kernels() -> tuple[Kernels | None, str]:
     except Exception as e:  # noqa: BLE001 - a broken install raises more than ImportError
         return None, f"{type(e).__name__}: {e}"
 
+    return kernels_of(ssd), ""
+
+
+def kernels_of(ssd: types.ModuleType) -> Kernels:
+    """The scan's pair from mamba_ssm's `ssd_combined` module, as imported."""
+
     def forward(x, dt, A, B, C, chunk_size, D):
         return ssd._mamba_chunk_scan_combined_fwd(x, dt, A, B, C, chunk_size, D=D)[0]
 
     def backward(dy, x, dt, A, B, C, y, chunk_size, D):
         return ssd._mamba_chunk_scan_combined_bwd(dy, x, dt, A, B, C, y, chunk_size, D=D)[:6]
 
-    return Kernels(forward, backward), ""
+    mode = getattr(ssd, "use_deterministic_mode", None)  # mamba-ssm >= 2.3 (its utils/determinism.py)
+    return Kernels(forward, backward, None if mode is None else bool(mode()))
+
+
+def why_not_deterministic(loaded: Kernels) -> str:
+    """Why `loaded` may give other bits on another run under torch's deterministic algorithms, or "".
+
+    mamba-ssm >= 2.3 has a deterministic mode, on while torch's deterministic algorithms are: its
+    backward then sums per-tile partials instead of adding with atomics. The mode also keeps one
+    autotune config per kernel (the smallest tiles), but it decides that when the kernels are
+    imported: imported before the mode was on, the autotuner may still pick other tiles on another
+    run, and other tiles sum in another order."""
+    if loaded.deterministic is None:
+        return ("this mamba-ssm has no deterministic backward (it adds with atomics, in no fixed order): "
+                "install mamba-ssm >= 2.3 (`make mamba-ssm`)")
+    if not loaded.deterministic:
+        return ("mamba_ssm was imported before deterministic kernels were turned on, so its autotuner may pick "
+                "other tiles on another run: turn them on before the model is built (train.deterministic does)")
+    return ""
 
 
 def kernels() -> Kernels:

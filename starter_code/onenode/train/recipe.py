@@ -299,8 +299,9 @@ class Recipe:
              f"is a list of layer kinds from {list(FLOAT8_KINDS)} ([]: none)"),
             ("train.float8", not t.float8 or t.precision == "bf16",
              "casts bf16 matmuls to float8: set train.precision bf16"),
-            ("train.deterministic", not t.deterministic or self.model.overrides.get("mamba_kernel", "torch") == "torch",
-             "needs model.mamba_kernel: torch (mamba_ssm's Triton backward adds with atomics, in no fixed order)"),
+            ("train.deterministic", not t.deterministic or self.model.overrides.get("mamba_kernel", "torch") != "auto",
+             "needs model.mamba_kernel torch or mamba_ssm (auto picks by what is installed: a replay elsewhere "
+             "could run the other scan)"),
             ("data.source", self.data.source in DATA_SOURCES, "is synthetic, shards, config or megatron"),
             ("data.path", self.data.source == "synthetic" or bool(self.data.path),
              f"is needed with data.source: {self.data.source}"),
