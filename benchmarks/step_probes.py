@@ -14,6 +14,7 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py update-chunk --chunk 4 -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py router-bf16-gemm -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py ssd-carry-recurrence -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py flex-attention --mask-len 4096 -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
 - `tf32`: float32 matmuls (the router, the SSD's cross-chunk carry) on TF32 tensor cores;
@@ -48,7 +49,13 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
   A GPU only;
 - `ssd-carry-recurrence`: the torch SSD scan's states carried across chunks by a recurrence
   (`ssd_probe.carry_by_recurrence`), not `model/mamba2.py`'s float32 product with the matrix of
-  decays (three CUDA-core GEMMs, about 13 ms of that step).
+  decays (three CUDA-core GEMMs, about 13 ms of that step);
+- `flex-attention --mask-len N`: attention as FlexAttention (compiled with its layer: the layers must
+  compile) with a causal block mask over N tokens, not SDPA. Its backward computes dQ in programs of
+  its own, adding nothing with atomics, so torch's deterministic mode leaves it as it is; SDPA's flash
+  backward there takes a slower deterministic path (about 19.5 ms of the A2 baseline's deterministic
+  step against cuDNN's 7.6 ms, results/2026-12-06-h100-expert-counts-int8/). A GPU only (flex has no
+  backward on a CPU).
 
 Probes combine: `fsdp-one-rank one-unit -- ...` applies both.
 
@@ -117,10 +124,20 @@ class _Bf16RouterLogits(torch.autograd.Function):
                 torch.mm(g.t(), rows, out_dtype=torch.float32).to(weight_dtype))
 
 
-def route_on_bf16_gemms() -> None:
-    """`model/moe.py`'s `F.linear`, which only its router calls, as `_Bf16RouterLogits` on a GPU."""
+def _functional_with(module, **replaced) -> None:
+    """`module`'s `F` (torch.nn.functional) with `replaced` names swapped in, for that module only."""
     import types
 
+    import torch.nn.functional as F
+
+    functional = types.ModuleType(f"functional_for_{module.__name__}")
+    functional.__dict__.update(F.__dict__)
+    functional.__dict__.update(replaced)
+    module.F = functional
+
+
+def route_on_bf16_gemms() -> None:
+    """`model/moe.py`'s `F.linear`, which only its router calls, as `_Bf16RouterLogits` on a GPU."""
     import torch.nn.functional as F
 
     from onenode.model import moe
@@ -130,21 +147,37 @@ def route_on_bf16_gemms() -> None:
             return F.linear(x, weight, bias)
         return _Bf16RouterLogits.apply(x, weight)
 
-    functional = types.ModuleType("functional_with_bf16_router")
-    functional.__dict__.update(F.__dict__)
-    functional.linear = linear
-    moe.F = functional
+    _functional_with(moe, linear=linear)
+
+
+def attend_with_flex(seq_len: int, device: str = "cuda") -> None:
+    """`model/attention.py`'s causal SDPA as FlexAttention with a causal block mask over `seq_len` tokens,
+    built here once (outside any compiled graph)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from onenode.model import attention
+
+    mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, seq_len, seq_len, device=device)
+
+    def causal_flex(q, k, v, is_causal, enable_gqa):
+        if not is_causal or q.shape[-2] != seq_len:
+            raise ValueError(f"flex-attention: the probe's mask is causal over {seq_len} tokens (--mask-len), "
+                             f"this call is {'causal' if is_causal else 'not causal'} over {q.shape[-2]}")
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
+
+    _functional_with(attention, scaled_dot_product_attention=causal_flex)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage="%(prog)s PROBE [PROBE ...] [--logits N] [--mode M] [--chunk N] "
-                                           "-- BENCH_OPTIONS")
+                                           "[--mask-len N] -- BENCH_OPTIONS")
     parser.add_argument("probes", nargs="+", metavar="PROBE",
                         choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
                                  "router-own-unit", "one-unit", "fsdp-one-rank", "unfused-update",
-                                 "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence"])
+                                 "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence", "flex-attention"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
+    parser.add_argument("--mask-len", type=int, help="flex-attention: the sequence length of every attention call")
     parser.add_argument("--chunk", type=int, help="update-chunk: parameters per compiled update call")
     parser.add_argument("--mode", choices=["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="compile-mode: torch.compile's mode for every compiled layer")
@@ -191,7 +224,11 @@ def main() -> int:
 
             mamba2.carry_across_chunks = carry_by_recurrence
         elif not torch.cuda.is_available():
-            parser.error("host-syncs counts waits for a CUDA GPU: none is visible here")
+            parser.error(f"{probe} needs a CUDA GPU: none is visible here")
+        elif probe == "flex-attention":
+            if args.mask_len is None:
+                parser.error("flex-attention needs --mask-len N, the sequence length (the bench's seq_len)")
+            attend_with_flex(args.mask_len)
         else:
             sites = count_host_syncs()
     rc = onenode_main(["bench", *bench_options])

@@ -1,5 +1,6 @@
 """`onenode bench` on the tiny preset: a valid JSON record, a profiler trace, the transformers peer."""
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -203,7 +204,7 @@ def test_step_probes_run_bench_with_one_setting_changed(tmp_path):
         refused = subprocess.run([sys.executable, str(script), "host-syncs", "--", *bench_options],
                                  capture_output=True, text=True, timeout=300)
         assert refused.returncode == 2
-        assert "counts waits for a CUDA GPU: none is visible here" in refused.stderr.splitlines()[-1]
+        assert "host-syncs needs a CUDA GPU: none is visible here" in refused.stderr.splitlines()[-1]
     refused = subprocess.run([sys.executable, str(script), "compile-mode", "--", *bench_options],
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "compile-mode needs --mode" in refused.stderr.splitlines()[-1]
@@ -212,16 +213,21 @@ def test_step_probes_run_bench_with_one_setting_changed(tmp_path):
     assert refused.returncode == 2 and "update-chunk needs --chunk N, N >= 1" in refused.stderr.splitlines()[-1]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.mm's out_dtype runs on a GPU")
-def test_router_bf16_gemm_probe_matches_float32_routing():
-    """step_probes.py's router logits from bf16 GEMMs with float32 output: on bf16 values the forward
-    is float32's to summation order, the gradients to the bf16 rounding of the logits' gradient."""
+def _step_probes():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("step_probes", Path(__file__).resolve().parents[1] / "benchmarks"
                                                   / "step_probes.py")
     probes = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probes)
+    return probes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.mm's out_dtype runs on a GPU")
+def test_router_bf16_gemm_probe_matches_float32_routing():
+    """step_probes.py's router logits from bf16 GEMMs with float32 output: on bf16 values the forward
+    is float32's to summation order, the gradients to the bf16 rounding of the logits' gradient."""
+    probes = _step_probes()
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(4, 512, 256, device="cuda", generator=gen).bfloat16().float().requires_grad_()
     w = (torch.randn(64, 256, device="cuda", generator=gen) / 16).bfloat16().float().requires_grad_()
@@ -233,6 +239,35 @@ def test_router_bf16_gemm_probe_matches_float32_routing():
     want_x, want_w = upstream.double() @ w.double(), upstream.double().flatten(0, 1).t() @ x.double().flatten(0, 1)
     assert (got_x.double() - want_x).abs().max() < 2 ** -7 * want_x.abs().max()
     assert (got_w.double() - want_w).abs().max() < 2 ** -7 * want_w.abs().max()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="flex attention's backward runs on a GPU"))])
+def test_flex_attention_probe_is_the_models_attention(monkeypatch, device):
+    """step_probes.py's flex-attention: the model's grouped-query attention with FlexAttention in
+    SDPA's place gives SDPA's output (and, on a GPU, compiled, its gradients); a call over another
+    length than the mask's is refused in one line."""
+    from onenode.model import attention
+
+    config = dataclasses.replace(get_preset("tiny"), num_attention_heads=4, num_key_value_heads=2)
+    layer = attention.Attention(config).to(device).requires_grad_(device == "cuda")
+    x = torch.randn(2, 64, config.hidden_size, device=device, requires_grad=device == "cuda")
+    leaves = [x, *layer.parameters()] if device == "cuda" else []
+
+    def value_and_grads(forward):
+        y = forward(x)
+        return y, torch.autograd.grad(y.square().sum(), leaves) if leaves else []
+
+    want, want_grads = value_and_grads(layer)
+    monkeypatch.setattr(attention, "F", attention.F)
+    _step_probes().attend_with_flex(64, device=device)
+    got, got_grads = value_and_grads(torch.compile(layer) if device == "cuda" else layer)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-3, atol=1e-4)
+    with pytest.raises(ValueError, match="causal over 64 tokens") as info:
+        layer(x[:, :32])
+    assert "\n" not in str(info.value)
 
 
 def test_every_row_and_column_of_the_output_is_explained_in_help():
