@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import sys
 import types
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -64,7 +65,11 @@ def import_skipping_package_init(module: str) -> types.ModuleType:
 def load_kernels() -> tuple[Kernels | None, str]:
     """mamba_ssm's SSD forward and backward, or None and why they did not import."""
     try:
-        ssd = import_skipping_package_init("mamba_ssm.ops.triton.ssd_combined")
+        with warnings.catch_warnings():
+            # In its deterministic mode mamba-ssm suggests TRITON_CACHE_AUTOTUNING=1, which tunes every
+            # kernel again on each new machine: a replay elsewhere could pick other tiles, so other bits.
+            warnings.filterwarnings("ignore", message="Deterministic mode: ")
+            ssd = import_skipping_package_init("mamba_ssm.ops.triton.ssd_combined")
     except Exception as e:  # noqa: BLE001 - a broken install raises more than ImportError
         return None, f"{type(e).__name__}: {e}"
 
