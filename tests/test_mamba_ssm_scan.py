@@ -6,6 +6,7 @@ gradients, and that `torch.compile(fullgraph=True)` traces through the op withou
 """
 
 import concurrent.futures
+import json
 import sys
 import types
 
@@ -133,10 +134,9 @@ def _module(**names):
     return types.SimpleNamespace(_mamba_chunk_scan_combined_fwd=None, _mamba_chunk_scan_combined_bwd=None, **names)
 
 
-def test_the_kernels_know_whether_they_were_imported_deterministic():
-    assert mamba_ssm_scan.kernels_of(_module()).deterministic is None  # mamba-ssm before 2.3
-    for mode in (False, True):
-        assert mamba_ssm_scan.kernels_of(_module(use_deterministic_mode=lambda mode=mode: mode)).deterministic is mode
+def test_the_kernels_know_whether_mamba_ssm_has_a_deterministic_mode():
+    assert not mamba_ssm_scan.kernels_of(_module()).deterministic_mode  # mamba-ssm before 2.3
+    assert mamba_ssm_scan.kernels_of(_module(use_deterministic_mode=lambda: False)).deterministic_mode
 
 
 @pytest.fixture
@@ -146,21 +146,67 @@ def deterministic_algorithms():
     torch.use_deterministic_algorithms(False)
 
 
-@pytest.mark.parametrize("deterministic, why", [(None, "mamba-ssm >= 2.3"), (False, "imported before")])
-def test_a_scan_that_could_differ_between_runs_is_refused_under_deterministic_kernels(
-        monkeypatch, deterministic_algorithms, deterministic, why):
-    loaded = mamba_ssm_scan.Kernels(_stand_in_forward, _stand_in_backward, deterministic)
+def test_a_mamba_ssm_without_a_deterministic_mode_is_refused_under_deterministic_kernels(
+        monkeypatch, deterministic_algorithms):
+    loaded = mamba_ssm_scan.Kernels(_stand_in_forward, _stand_in_backward, deterministic_mode=False)
     monkeypatch.setattr(mamba_ssm_scan, "load_kernels", lambda: (loaded, ""))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(mamba_ssm_scan.KernelUnavailableError, match=why) as info:
+    with pytest.raises(mamba_ssm_scan.KernelUnavailableError, match="mamba-ssm >= 2.3") as info:
         select_ssd("mamba_ssm")
     assert "mamba_kernel='torch'" in str(info.value) and "\n" not in str(info.value)
     assert select_ssd("auto") is ssd_chunked
-
-
-def test_a_deterministic_import_is_chosen_under_deterministic_kernels(monkeypatch, deterministic_algorithms):
-    loaded = mamba_ssm_scan.Kernels(_stand_in_forward, _stand_in_backward, True)
-    monkeypatch.setattr(mamba_ssm_scan, "load_kernels", lambda: (loaded, ""))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mamba_ssm_scan, "load_kernels", lambda: (loaded._replace(deterministic_mode=True), ""))
     assert select_ssd("mamba_ssm") is mamba_ssm_scan.chunk_scan
     assert select_ssd("auto") is mamba_ssm_scan.chunk_scan
+
+
+class _Config:
+    def __init__(self, block: int):
+        self.block = block
+
+    def __str__(self):
+        return f"BLOCK_SIZE_M: {self.block}, num_warps: 4"
+
+
+class _Autotuner:
+    """What the kit reads of Triton's `Autotuner`: its configs and the choice cached for each key."""
+
+    def __init__(self):
+        self.configs = [_Config(32), _Config(64), _Config(128)]
+        self.cache = {}
+
+
+@pytest.fixture
+def tuned_kernels(monkeypatch):
+    """Two autotuned kernels in a module of mamba_ssm's kernel package, one of them tuned."""
+    module = types.ModuleType(mamba_ssm_scan.KERNEL_PACKAGE + "onenode_test_kernels")
+    module.scan_fwd, module.state_bwd, module.not_a_kernel = _Autotuner(), _Autotuner(), {"cache": {}}
+    module.scan_fwd.cache[(128, 64, "torch.bfloat16")] = module.scan_fwd.configs[2]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module
+
+
+def test_the_tiles_a_run_chose_are_taken_again_after_a_json_round_trip(tuned_kernels):
+    tiles = json.loads(json.dumps(mamba_ssm_scan.chosen_tiles()))
+    assert tiles == {"onenode_test_kernels.scan_fwd": [[[128, 64, "torch.bfloat16"], 2, str(_Config(128))]]}
+    tuned_kernels.scan_fwd.cache.clear()
+    mamba_ssm_scan.use_tiles(tiles)
+    assert tuned_kernels.scan_fwd.cache == {(128, 64, "torch.bfloat16"): tuned_kernels.scan_fwd.configs[2]}
+    assert tuned_kernels.state_bwd.cache == {}
+
+
+@pytest.mark.parametrize("tiles, why", [
+    ([], "not a record of chosen_tiles"),
+    ({"onenode_test_kernels.scan_fwd": "all"}, "not a record of chosen_tiles"),
+    ({"onenode_test_kernels.scan_fwd": [[[1], 0, "x"]] * (mamba_ssm_scan.MAX_TILES + 1)}, "at most"),
+    ({"onenode_test_kernels.elsewhere": [[[128], 0, str(_Config(32))]]}, "not a config this mamba-ssm has"),
+    ({"onenode_test_kernels.scan_fwd": [[[128], 3, str(_Config(32))]]}, "not a config this mamba-ssm has"),
+    ({"onenode_test_kernels.scan_fwd": [[[128], 0, str(_Config(64))]]}, "not a config this mamba-ssm has"),
+    ({"onenode_test_kernels.scan_fwd": [[128, 0, str(_Config(32))]]}, "not a config this mamba-ssm has"),
+])
+def test_tiles_this_install_does_not_have_are_refused_in_one_line_and_none_is_taken(tuned_kernels, tiles, why):
+    good = [[[256], 1, str(_Config(64))]]
+    record = {"onenode_test_kernels.state_bwd": good, **tiles} if isinstance(tiles, dict) else tiles
+    with pytest.raises(ValueError, match=why) as info:
+        mamba_ssm_scan.use_tiles(record)
+    assert "\n" not in str(info.value) and tuned_kernels.state_bwd.cache == {}

@@ -4,7 +4,10 @@ sweeps, and FSDP on two gloo processes matching one process."""
 
 import json
 import os
+import sys
+import types
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,10 +16,10 @@ from onenode.cli import main
 from onenode.model import build_model, get_preset
 from onenode.parallel.compile_and_checkpoint import apply_activation_checkpointing
 from onenode.train.balance import RouterBalancer
-from onenode.train.checkpoint import CheckpointError, full_model_state_dict, weights_sha256
+from onenode.train.checkpoint import CheckpointError, full_model_state_dict, latest_checkpoint, weights_sha256
 from onenode.train.logging import read_metrics
 from onenode.train.optim import OptimizerList, is_muon_param
-from onenode.train.recipe import load_recipe
+from onenode.train.recipe import RecipeError, load_recipe
 from onenode.train.schedule import lr_factor
 from onenode.train.step import build_optimizer
 from onenode.train.trainer import Trainer
@@ -317,3 +320,28 @@ def test_every_field_of_the_log_line_is_explained_in_help():
     help_text = " ".join(parser.format_help().split())
     for name, (_, meaning) in LOG_FIELDS.items():
         assert f"{name} {' '.join(meaning.split()[:6])}" in help_text, f"`onenode train --help` lacks {name!r}"
+
+
+def test_a_resumed_run_takes_the_tiles_its_kernels_chose(tmp_path, monkeypatch):
+    """mamba_ssm's tuned tiles (a stand-in autotuned kernel here) go into each checkpoint, a record per
+    process, and a resumed run takes them again before its first step; a checkpoint recorded for
+    another number of processes is refused in one line."""
+    from onenode.model import mamba_ssm_scan
+
+    module = types.ModuleType(mamba_ssm_scan.KERNEL_PACKAGE + "onenode_test_train")
+    module.scan = SimpleNamespace(configs=["BLOCK_SIZE_M: 32", "BLOCK_SIZE_M: 64"], cache={})
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    recipe = _small()
+    first = Trainer(recipe, tmp_path, resume=None)
+    module.scan.cache[(64, "torch.bfloat16")] = module.scan.configs[1]  # as if it had tuned
+    assert first.fit(stop_after_steps=3)["status"] == "stopped"
+    meta_file = latest_checkpoint(tmp_path / "checkpoints") / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta["kernel_tiles"] == [{"onenode_test_train.scan": [[[64, "torch.bfloat16"], 1, "BLOCK_SIZE_M: 64"]]}]
+    module.scan.cache.clear()
+    assert Trainer(recipe, tmp_path, resume="auto").step == 3
+    assert module.scan.cache == {(64, "torch.bfloat16"): "BLOCK_SIZE_M: 64"}
+    meta_file.write_text(json.dumps({**meta, "kernel_tiles": meta["kernel_tiles"] * 2}))
+    with pytest.raises(RecipeError, match="recorded for 2 processes, this run has 1") as info:
+        Trainer(recipe, tmp_path, resume="auto")
+    assert "\n" not in str(info.value)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import os
 import sys
 import types
 import warnings
@@ -33,12 +34,11 @@ class KernelUnavailableError(RuntimeError):
 
 class Kernels(NamedTuple):
     """forward(x, dt, A, B, C, chunk_size, D) -> y; backward(dy, x, dt, A, B, C, y, chunk_size, D) ->
-    (dx, ddt, dA, dB, dC, dD). `deterministic`: None where this mamba-ssm has no deterministic mode
-    (before 2.3), else whether it was on when the kernels were imported (see `why_not_deterministic`)."""
+    (dx, ddt, dA, dB, dC, dD). `deterministic_mode`: whether this mamba-ssm has one (2.3 and later)."""
 
     forward: object
     backward: object
-    deterministic: bool | None = None
+    deterministic_mode: bool = False
 
 
 def import_skipping_package_init(module: str) -> types.ModuleType:
@@ -63,16 +63,20 @@ def import_skipping_package_init(module: str) -> types.ModuleType:
 
 @functools.cache
 def load_kernels() -> tuple[Kernels | None, str]:
-    """mamba_ssm's SSD forward and backward, or None and why they did not import."""
+    """mamba_ssm's SSD forward and backward, or None and why they did not import.
+
+    Every kernel keeps all its autotune configs, in mamba-ssm's deterministic mode too (which would
+    otherwise keep the smallest tiles of each, about 5% of the A2 step: TRITON_CACHE_AUTOTUNING=1 tells
+    it so, and has Triton >= 3.4 keep each choice on disk): a run records the tiles it chose with its
+    checkpoints (`chosen_tiles`), and a resumed or replayed span takes them again (`use_tiles`)."""
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     try:
         with warnings.catch_warnings():
-            # In its deterministic mode mamba-ssm suggests TRITON_CACHE_AUTOTUNING=1, which tunes every
-            # kernel again on each new machine: a replay elsewhere could pick other tiles, so other bits.
+            # where Triton < 3.4 cannot cache, mamba-ssm's deterministic mode keeps one config a kernel and says so
             warnings.filterwarnings("ignore", message="Deterministic mode: ")
             ssd = import_skipping_package_init("mamba_ssm.ops.triton.ssd_combined")
     except Exception as e:  # noqa: BLE001 - a broken install raises more than ImportError
         return None, f"{type(e).__name__}: {e}"
-
     return kernels_of(ssd), ""
 
 
@@ -85,25 +89,63 @@ def kernels_of(ssd: types.ModuleType) -> Kernels:
     def backward(dy, x, dt, A, B, C, y, chunk_size, D):
         return ssd._mamba_chunk_scan_combined_bwd(dy, x, dt, A, B, C, y, chunk_size, D=D)[:6]
 
-    mode = getattr(ssd, "use_deterministic_mode", None)  # mamba-ssm >= 2.3 (its utils/determinism.py)
-    return Kernels(forward, backward, None if mode is None else bool(mode()))
+    # mamba-ssm >= 2.3 (its utils/determinism.py): under torch's deterministic algorithms its backward
+    # sums per-tile partials where it added with atomics
+    return Kernels(forward, backward, hasattr(ssd, "use_deterministic_mode"))
 
 
 def why_not_deterministic(loaded: Kernels) -> str:
-    """Why `loaded` may give other bits on another run under torch's deterministic algorithms, or "".
-
-    mamba-ssm >= 2.3 has a deterministic mode, on while torch's deterministic algorithms are: its
-    backward then sums per-tile partials instead of adding with atomics. The mode also keeps one
-    autotune config per kernel (the smallest tiles), but it decides that when the kernels are
-    imported: imported before the mode was on, the autotuner may still pick other tiles on another
-    run, and other tiles sum in another order."""
-    if loaded.deterministic is None:
+    """Why `loaded` may give other bits on another run under torch's deterministic algorithms, or ""."""
+    if not loaded.deterministic_mode:
         return ("this mamba-ssm has no deterministic backward (it adds with atomics, in no fixed order): "
                 "install mamba-ssm >= 2.3 (`make mamba-ssm`)")
-    if not loaded.deterministic:
-        return ("mamba_ssm was imported before deterministic kernels were turned on, so its autotuner may pick "
-                "other tiles on another run: turn them on before the model is built (train.deterministic does)")
     return ""
+
+
+KERNEL_PACKAGE = "mamba_ssm.ops.triton."
+MAX_TILES = 4096  # choices a run may record: about 25 kernels, one key each in practice
+
+
+def autotuned_kernels() -> dict[str, object]:
+    """mamba_ssm's autotuned Triton kernels imported so far, by module and name: Triton's `Autotuner`s,
+    each with its `configs` and its `cache` of the config chosen for each key (constants and dtypes)."""
+    return {f"{name[len(KERNEL_PACKAGE):]}.{attr}": value
+            for name, module in list(sys.modules.items()) if name.startswith(KERNEL_PACKAGE) and module is not None
+            for attr, value in vars(module).items()
+            if isinstance(getattr(value, "cache", None), dict) and isinstance(getattr(value, "configs", None), list)}
+
+
+def chosen_tiles() -> dict[str, list]:
+    """Each autotuned kernel's choices so far, {kernel: [[key, index into its configs, the config as
+    Triton prints it], ...]}: what a replay needs to sum in the same order. {} before any ran."""
+    tiles = {}
+    for name, kernel in sorted(autotuned_kernels().items()):
+        chosen = [[list(key), kernel.configs.index(config), str(config)] for key, config in kernel.cache.items()
+                  if config in kernel.configs and all(isinstance(part, (int, float, str)) for part in key)]
+        if chosen:
+            tiles[name] = sorted(chosen, key=repr)
+    return tiles
+
+
+def use_tiles(tiles: object) -> None:
+    """Take the choices `chosen_tiles` recorded, so that these kernels do not tune again. Raises
+    ValueError (one line) where they name a kernel or a config this install does not have."""
+    if not isinstance(tiles, dict) or not all(isinstance(chosen, list) for chosen in tiles.values()) \
+            or sum(map(len, tiles.values())) > MAX_TILES:
+        raise ValueError(f"kernel_tiles: not a record of chosen_tiles (a mapping of kernels to at most {MAX_TILES} "
+                         "[key, index, config] entries in all)")
+    kernels = autotuned_kernels()
+    entries = [(name, entry) for name, chosen in tiles.items() for entry in chosen]
+    for name, entry in entries:
+        kernel = kernels.get(name)
+        ok = (kernel is not None and isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list)
+              and isinstance(entry[1], int) and 0 <= entry[1] < len(kernel.configs)
+              and str(kernel.configs[entry[1]]) == entry[2])
+        if not ok:
+            raise ValueError(f"kernel_tiles: {name} {entry!r:.120} is not a config this mamba-ssm has: "
+                             "install the mamba-ssm and Triton the run trained with (its manifest's versions)")
+    for name, (key, index, _) in entries:
+        kernels[name].cache[tuple(key)] = kernels[name].configs[index]
 
 
 def kernels() -> Kernels:

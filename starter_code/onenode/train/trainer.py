@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ..model import count_parameters
+from ..model import count_parameters, mamba_ssm_scan
 from ..parallel.distributed import mean_over_ranks
 from ..parallel.float8 import summary as float8_summary
 from .assembly import assemble
@@ -156,6 +156,15 @@ class Trainer:
             if (path / "checkpoints").is_dir():  # a run folder: its latest complete checkpoint
                 path = latest_checkpoint(path / "checkpoints") or path / "checkpoints"
         meta, state = load_checkpoint(path, self.parallel, self.optimizer)
+        if "kernel_tiles" in meta:  # mamba_ssm's tuned tiles, this rank's: the same tiles sum in the same order
+            per_rank = meta["kernel_tiles"]
+            try:
+                if not isinstance(per_rank, list) or len(per_rank) != self.world:
+                    raise ValueError(f"recorded for {len(per_rank) if isinstance(per_rank, list) else '?'} "
+                                     f"processes, this run has {self.world}: resume with the layout it trained with")
+                mamba_ssm_scan.use_tiles(per_rank[self.rank])
+            except ValueError as e:
+                raise RecipeError(f"checkpoint {path}: {e}") from None
         self.previous_checkpoint = {"step": meta["step"], "weights_sha256": meta.get("weights_sha256")}
         self.step, self.tokens_seen, self.losses = state["step"], state["tokens_seen"], list(state["losses"])
         self.loader.load_state_dict(state["loader"])
@@ -229,9 +238,10 @@ class Trainer:
     def replay_record(self) -> dict:
         """What re-running a span from this checkpoint needs besides its files: the recipe it
         trains (`Recipe.training_sha256`), the seed, the layout (the same on the replaying
-        machine gives the same bits), the versions and hardware, and rank 0's data position."""
+        machine gives the same bits), the versions and hardware, rank 0's data position, and the
+        tiles mamba_ssm's kernels chose where they tuned themselves (collective)."""
         p = self.recipe.parallel
-        return {"training_sha256": self.recipe.training_sha256, "seed": self.recipe.seed,
+        return {**self._kernel_tiles(),"training_sha256": self.recipe.training_sha256, "seed": self.recipe.seed,
                 "layout": {"world_size": self.world, "dp": self.dp, "ep": p.ep, "pp": p.pp,
                            "micro_batch_size": self.micro_batch, "accumulation": self.accumulation,
                            "device": self.device.type, "threads": torch.get_num_threads()},
@@ -277,6 +287,16 @@ class Trainer:
             out["mfu_convention"] = "tensor-core matmul FLOPs (onenode.flops) / (GPUs x 989 TFLOP/s bf16)"
         out["tokens_per_s_per_rank"] = out["tokens_per_s"] / self.world
         return out
+
+    def _kernel_tiles(self) -> dict:
+        """mamba_ssm's tuned tiles, a record per rank (each process tunes its own kernels); {} where
+        none tuned (the torch scan, or one config a kernel)."""
+        tiles = mamba_ssm_scan.chosen_tiles()
+        per_rank = [tiles]
+        if self.world > 1:
+            per_rank = [None] * self.world
+            dist.all_gather_object(per_rank, tiles)
+        return {"kernel_tiles": per_rank} if any(per_rank) else {}
 
     def _data_digest(self) -> dict:
         """The data-order digest; with several data-parallel ranks, one over theirs in rank order."""
