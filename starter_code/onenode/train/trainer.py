@@ -156,15 +156,7 @@ class Trainer:
             if (path / "checkpoints").is_dir():  # a run folder: its latest complete checkpoint
                 path = latest_checkpoint(path / "checkpoints") or path / "checkpoints"
         meta, state = load_checkpoint(path, self.parallel, self.optimizer)
-        if "kernel_tiles" in meta:  # mamba_ssm's tuned tiles, this rank's: the same tiles sum in the same order
-            per_rank = meta["kernel_tiles"]
-            try:
-                if not isinstance(per_rank, list) or len(per_rank) != self.world:
-                    raise ValueError(f"recorded for {len(per_rank) if isinstance(per_rank, list) else '?'} "
-                                     f"processes, this run has {self.world}: resume with the layout it trained with")
-                mamba_ssm_scan.use_tiles(per_rank[self.rank])
-            except ValueError as e:
-                raise RecipeError(f"checkpoint {path}: {e}") from None
+        self.take_kernel_tiles(meta, path)
         self.previous_checkpoint = {"step": meta["step"], "weights_sha256": meta.get("weights_sha256")}
         self.step, self.tokens_seen, self.losses = state["step"], state["tokens_seen"], list(state["losses"])
         self.loader.load_state_dict(state["loader"])
@@ -174,6 +166,21 @@ class Trainer:
         if self.rank == 0:
             print(f"resumed from {path} at step {self.step} ({self.tokens_seen:,} tokens)")
         return True
+
+    def take_kernel_tiles(self, meta: dict, path: Path) -> None:
+        """Take this process's record of mamba_ssm's tuned tiles from a checkpoint's `meta` (if it has
+        one): the same tiles sum in the same order. A replayed span takes its end's, which holds the
+        choices made during it (the chain's first checkpoint is written before any kernel ran)."""
+        if "kernel_tiles" not in meta:
+            return
+        per_rank = meta["kernel_tiles"]
+        try:
+            if not isinstance(per_rank, list) or len(per_rank) != self.world:
+                raise ValueError(f"recorded for {len(per_rank) if isinstance(per_rank, list) else '?'} processes, "
+                                 f"this run has {self.world}: run it with the layout it trained with")
+            mamba_ssm_scan.use_tiles(per_rank[self.rank])
+        except ValueError as e:
+            raise RecipeError(f"checkpoint {path}: {e}") from None
 
     # -- one step ------------------------------------------------------------------------------
     def train_step(self) -> dict:

@@ -501,6 +501,7 @@ def verify(plan: dict, report: dict) -> None:
         try:
             torch.set_num_threads(threads_of(plan, metas[i]))
             span = Trainer(recipe, Path(f"replay-{i}"), resume=str(checkpoints[i]))
+            span.take_kernel_tiles(metas[j], checkpoints[j])  # the tiles the run's kernels used in the span
             span.loader.load_state_dict(positions[steps[i]])  # the grader's batches, not the stored position
             span.step, span.tokens_seen = steps[i], steps[i] * recipe.tokens_per_step
             replay_span(span, checkpoints[i], checkpoints[j], recomputed[j], moments[j], entry)
