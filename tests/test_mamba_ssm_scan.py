@@ -210,3 +210,29 @@ def test_tiles_this_install_does_not_have_are_refused_in_one_line_and_none_is_ta
     with pytest.raises(ValueError, match=why) as info:
         mamba_ssm_scan.use_tiles(record)
     assert "\n" not in str(info.value) and tuned_kernels.state_bwd.cache == {}
+
+
+def test_tiles_round_trip_through_tritons_own_autotuner(monkeypatch):
+    """The same with a kernel as `triton.autotune` builds it (tuning needs a GPU: its cache is set by
+    hand, keyed as Triton keys it, the `key` arguments' values then each tensor argument's dtype)."""
+    triton = pytest.importorskip("triton", reason="make setup installs triton")
+
+    @triton.autotune(configs=[triton.Config({"BLOCK": 16}, num_warps=1), triton.Config({"BLOCK": 32}, num_warps=2)],
+                     key=["n"])
+    @triton.jit
+    def double(x_ptr, y_ptr, n, BLOCK: triton.language.constexpr):
+        offsets = triton.language.program_id(0) * BLOCK + triton.language.arange(0, BLOCK)
+        triton.language.store(y_ptr + offsets, triton.language.load(x_ptr + offsets, mask=offsets < n) * 2,
+                              mask=offsets < n)
+
+    module = types.ModuleType(mamba_ssm_scan.KERNEL_PACKAGE + "onenode_test_triton")
+    module.double = double
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    key = (100, "torch.float32", "torch.float32")
+    double.cache[key] = double.configs[1]
+    tiles = json.loads(json.dumps(mamba_ssm_scan.chosen_tiles()))
+    assert tiles == {"onenode_test_triton.double": [[list(key), 1, str(double.configs[1])]]}
+    assert "BLOCK: 32" in tiles["onenode_test_triton.double"][0][2]
+    double.cache.clear()
+    mamba_ssm_scan.use_tiles(tiles)
+    assert double.cache == {key: double.configs[1]}
