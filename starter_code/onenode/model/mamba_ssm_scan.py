@@ -107,19 +107,25 @@ MAX_TILES = 4096  # choices a run may record: about 25 kernels, one key each in 
 
 
 def autotuned_kernels() -> dict[str, object]:
-    """mamba_ssm's autotuned Triton kernels imported so far, by module and name: Triton's `Autotuner`s,
-    each with its `configs` and its `cache` of the config chosen for each key (constants and dtypes)."""
-    return {f"{name[len(KERNEL_PACKAGE):]}.{attr}": value
-            for name, module in list(sys.modules.items()) if name.startswith(KERNEL_PACKAGE) and module is not None
-            for attr, value in vars(module).items()
-            if isinstance(getattr(value, "cache", None), dict) and isinstance(getattr(value, "configs", None), list)}
+    """mamba_ssm's autotuned Triton kernels imported so far, each once, by module and name (the first
+    in sorted order where one module imports another's): Triton's `Autotuner`s, each with its
+    `configs` and its `cache` of the config chosen for each key (constants, then dtypes)."""
+    found = {}
+    for name, module in sorted(sys.modules.items()):
+        if name.startswith(KERNEL_PACKAGE) and module is not None:
+            for attr, value in sorted(vars(module).items()):
+                tuned = isinstance(getattr(value, "cache", None), dict) and isinstance(getattr(value, "configs", None),
+                                                                                      list)
+                if tuned and all(value is not seen for seen in found.values()):
+                    found[f"{name[len(KERNEL_PACKAGE):]}.{attr}"] = value
+    return found
 
 
 def chosen_tiles() -> dict[str, list]:
     """Each autotuned kernel's choices so far, {kernel: [[key, index into its configs, the config as
     Triton prints it], ...]}: what a replay needs to sum in the same order. {} before any ran."""
     tiles = {}
-    for name, kernel in sorted(autotuned_kernels().items()):
+    for name, kernel in autotuned_kernels().items():
         chosen = [[list(key), kernel.configs.index(config), str(config)] for key, config in kernel.cache.items()
                   if config in kernel.configs and all(isinstance(part, (int, float, str)) for part in key)]
         if chosen:
