@@ -185,7 +185,7 @@ def test_out_of_memory_is_one_line_that_says_what_to_change(monkeypatch):
 
 
 def test_step_probes_run_bench_with_one_setting_changed(tmp_path):
-    """benchmarks/step_probes.py: the bench's record with the longer kernel list, three probes at once
+    """benchmarks/step_probes.py: the bench's record with the longer kernel list, four probes at once
     (the router's bf16 GEMMs keep the float32 path off a GPU); on a machine without CUDA the
     host-sync probe refuses in one line."""
     import subprocess
@@ -195,7 +195,8 @@ def test_step_probes_run_bench_with_one_setting_changed(tmp_path):
     out = tmp_path / "probe.json"
     bench_options = ["--preset", "tiny", "--seq-len", "32", "--steps", "1", "--warmup", "0", "--quiet",
                      "--profile", str(tmp_path / "prof"), "--out", str(out)]
-    done = subprocess.run([sys.executable, str(script), "router-bf16-gemm", "ssd-carry-recurrence", "loss-chunk",
+    done = subprocess.run([sys.executable, str(script), "router-bf16-gemm", "ssd-carry-recurrence",
+                           "ssd-decay-difference", "loss-chunk",
                            "--logits", "4096", "--", *bench_options],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -97,24 +97,46 @@ def test_causal_conv_equals_the_depthwise_conv1d():
         torch.testing.assert_close(ours(x), conv(x.transpose(1, 2))[..., :t].transpose(1, 2))
 
 
+def _ssd_probe():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("ssd_probe", Path(__file__).resolve().parents[1] / "benchmarks"
+                                                  / "ssd_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    return probe
+
+
 def test_the_probes_carry_by_recurrence_is_the_kits_carry():
     """benchmarks/ssd_probe.py's states carried by a recurrence over the chunks (also the step
     probe `ssd-carry-recurrence`) are `carry_across_chunks`' in float64, and the scan through it is
     the step-by-step recurrence: the probes time the same scan."""
-    import importlib.util
-    from pathlib import Path
-
     from onenode.model import mamba2
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ssd_probe.py"
-    spec = importlib.util.spec_from_file_location("ssd_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = _ssd_probe()
     g = torch.Generator().manual_seed(0)
     states = torch.randn(2, 5, 2, 3, 4, 6, dtype=torch.float64, generator=g)
     logdecay = -torch.rand(2, 2, 3, 5, dtype=torch.float64, generator=g) * 3
     torch.testing.assert_close(probe.carry_by_recurrence(states, logdecay),
                                mamba2.carry_across_chunks(states, logdecay), rtol=1e-12, atol=1e-12)
     inp = _inputs(3 * CHUNK + 2)
-    torch.testing.assert_close(probe.with_carry(probe.carry_by_recurrence, ssd_chunked)(**inp, chunk_size=CHUNK),
-                               ssd_naive(**inp), rtol=1e-10, atol=1e-10)
+    recurrence = probe.with_mamba2(ssd_chunked, carry_across_chunks=probe.carry_by_recurrence)
+    torch.testing.assert_close(recurrence(**inp, chunk_size=CHUNK), ssd_naive(**inp), rtol=1e-10, atol=1e-10)
+
+
+def test_the_probes_decays_by_difference_are_the_kits_decays():
+    """benchmarks/ssd_probe.py's decays inside a chunk from one cumulative sum (the step probe
+    `ssd-decay-difference`) are `decay_within_chunks`' in float64 (zero above the diagonal), and the
+    scan through them is the step-by-step recurrence; the kit's functions are back in place after."""
+    from onenode.model import mamba2
+
+    probe = _ssd_probe()
+    a = -torch.rand(2, 3, 4, 5, CHUNK, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 2
+    got = probe.decay_by_difference(a)
+    torch.testing.assert_close(got, mamba2.decay_within_chunks(a), rtol=1e-12, atol=1e-12)
+    assert torch.equal(got.triu(1), torch.zeros_like(got))
+    inp = _inputs(3 * CHUNK + 2)
+    difference = probe.with_mamba2(ssd_chunked, decay_within_chunks=probe.decay_by_difference)
+    torch.testing.assert_close(difference(**inp, chunk_size=CHUNK), ssd_naive(**inp), rtol=1e-10, atol=1e-10)
+    assert mamba2.decay_within_chunks is not probe.decay_by_difference

@@ -24,7 +24,7 @@ from .config import NemotronHConfig
 from .norms import GatedRMSNorm
 
 
-def _segment_sum(a: torch.Tensor) -> torch.Tensor:
+def segment_sum(a: torch.Tensor) -> torch.Tensor:
     """`out[..., i, j] = a[..., j+1] + ... + a[..., i]` for i >= j, -inf above the diagonal.
 
     exp() of it is the decay from position j to position i. Built from a masked cumsum rather than
@@ -36,12 +36,18 @@ def _segment_sum(a: torch.Tensor) -> torch.Tensor:
     return a.cumsum(dim=-2).masked_fill(~torch.tril(ones), -torch.inf)
 
 
+def decay_within_chunks(a: torch.Tensor) -> torch.Tensor:
+    """[..., l, s]: the decay from position s to position l of each chunk (0 for s > l), from each
+    position's dt A (`a`, [..., l])."""
+    return torch.exp(segment_sum(a))
+
+
 def carry_across_chunks(chunk_states: torch.Tensor, chunk_logdecay: torch.Tensor) -> torch.Tensor:
     """The state entering each chunk: the sum of every earlier chunk's own state (`chunk_states`
     [b, c, g, r, p, n]), decayed over the chunks in between (`chunk_logdecay` [b, g, r, c], each
     chunk's summed dt A), as one product with the [c+1, c+1] matrix of decays: [b, c, g, r, p, n]."""
     chunk_states = torch.cat([torch.zeros_like(chunk_states[:, :1]), chunk_states], dim=1)
-    chunk_decay = torch.exp(_segment_sum(F.pad(chunk_logdecay, (1, 0))))  # [b, g, r, c+1, c+1]
+    chunk_decay = torch.exp(segment_sum(F.pad(chunk_logdecay, (1, 0))))  # [b, g, r, c+1, c+1]
     return torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, chunk_states)[:, :-1]
 
 
@@ -86,7 +92,7 @@ def ssd_chunked(
 
     # 1. Within each chunk: y_l = sum_{s<=l} (C_l . B_s) decay(s->l) dt_s x_s.
     scores = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)
-    weights = scores[:, :, None] * torch.exp(_segment_sum(a))  # [b, g, r, c, l, s], float32
+    weights = scores[:, :, None] * decay_within_chunks(a)  # [b, g, r, c, l, s], float32
     y = torch.einsum("bgrcls,bcsgrp->bclgrp", weights.to(operands), dtx.to(operands)).to(dtype)
 
     # 2. The state each chunk leaves behind, from its own inputs only.
