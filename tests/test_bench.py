@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from kit_scripts import load_script
 
 from onenode import cli
 from onenode.flops import model_flops
@@ -214,21 +215,11 @@ def test_step_probes_run_bench_with_one_setting_changed(tmp_path):
     assert refused.returncode == 2 and "update-chunk needs --chunk N, N >= 1" in refused.stderr.splitlines()[-1]
 
 
-def _step_probes():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("step_probes", Path(__file__).resolve().parents[1] / "benchmarks"
-                                                  / "step_probes.py")
-    probes = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probes)
-    return probes
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.mm's out_dtype runs on a GPU")
 def test_router_bf16_gemm_probe_matches_float32_routing():
     """step_probes.py's router logits from bf16 GEMMs with float32 output: on bf16 values the forward
     is float32's to summation order, the gradients to the bf16 rounding of the logits' gradient."""
-    probes = _step_probes()
+    probes = load_script("benchmarks/step_probes.py")
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(4, 512, 256, device="cuda", generator=gen).bfloat16().float().requires_grad_()
     w = (torch.randn(64, 256, device="cuda", generator=gen) / 16).bfloat16().float().requires_grad_()
@@ -261,7 +252,7 @@ def test_flex_attention_probe_is_the_models_attention(monkeypatch, device):
 
     want, want_grads = value_and_grads(layer)
     monkeypatch.setattr(attention, "F", attention.F)
-    _step_probes().attend_with_flex(64, device=device)
+    load_script("benchmarks/step_probes.py").attend_with_flex(64, device=device)
     got, got_grads = value_and_grads(torch.compile(layer) if device == "cuda" else layer)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
@@ -348,15 +339,10 @@ def test_the_bench_says_what_its_first_step_compiles_on_a_gpu(monkeypatch):
 def test_update_graphs_counts_what_the_fused_update_compiles():
     """benchmarks/update_graphs.py on the tiny preset (meta device): every parameter is in one call,
     a graph never traces more parameters than its chunk holds, and smaller chunks trace fewer."""
-    import importlib.util
-
     from onenode.model import build_model
     from onenode.train import master_update
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "update_graphs.py"
-    spec = importlib.util.spec_from_file_location("update_graphs", path)
-    update_graphs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(update_graphs)
+    update_graphs = load_script("benchmarks/update_graphs.py")
     params = sum(1 for _ in build_model(get_preset("tiny"), device="meta").parameters())
     large, small = update_graphs.count("tiny", 16), update_graphs.count("tiny", 2)
     assert master_update.CHUNK == 16  # put back

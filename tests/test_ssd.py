@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from kit_scripts import load_script
 
 from onenode.model.mamba2 import select_ssd, ssd_chunked, ssd_naive
 
@@ -97,24 +98,13 @@ def test_causal_conv_equals_the_depthwise_conv1d():
         torch.testing.assert_close(ours(x), conv(x.transpose(1, 2))[..., :t].transpose(1, 2))
 
 
-def _ssd_probe():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("ssd_probe", Path(__file__).resolve().parents[1] / "benchmarks"
-                                                  / "ssd_probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    return probe
-
-
 def test_the_probes_carry_by_recurrence_is_the_kits_carry():
     """benchmarks/ssd_probe.py's states carried by a recurrence over the chunks (also the step
     probe `ssd-carry-recurrence`) are `carry_across_chunks`' in float64, and the scan through it is
     the step-by-step recurrence: the probes time the same scan."""
     from onenode.model import mamba2
 
-    probe = _ssd_probe()
+    probe = load_script("benchmarks/ssd_probe.py")
     g = torch.Generator().manual_seed(0)
     states = torch.randn(2, 5, 2, 3, 4, 6, dtype=torch.float64, generator=g)
     logdecay = -torch.rand(2, 2, 3, 5, dtype=torch.float64, generator=g) * 3
@@ -131,7 +121,7 @@ def test_the_probes_decays_by_difference_are_the_kits_decays():
     scan through them is the step-by-step recurrence; the kit's functions are back in place after."""
     from onenode.model import mamba2
 
-    probe = _ssd_probe()
+    probe = load_script("benchmarks/ssd_probe.py")
     a = -torch.rand(2, 3, 4, 5, CHUNK, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 2
     got = probe.decay_by_difference(a)
     torch.testing.assert_close(got, mamba2.decay_within_chunks(a), rtol=1e-12, atol=1e-12)
