@@ -7,7 +7,8 @@ One checkpoint is a folder `step_00000100/`:
   seen, the data loader's position and digest, the RNG states;
 - `meta.json`, written last by rank 0: its presence marks the checkpoint complete. The trainer
   puts there what a replay of the span up to the next checkpoint needs besides the files (seed,
-  layout, versions, data position) and the chain: the hash of this checkpoint's weights
+  layout, versions, data position, the tiles mamba_ssm's tuned kernels chose, `kernel_tiles`) and
+  the chain: the hash of this checkpoint's weights
   (`weights_sha256`) and the step and weights hash of the checkpoint before it.
 DCP also runs in a single process without a process group. The final model leaves the run in the
 transformers layout (`model.save_pretrained`), with `run_manifest.json` beside it.

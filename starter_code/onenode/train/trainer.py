@@ -248,7 +248,7 @@ class Trainer:
         machine gives the same bits), the versions and hardware, rank 0's data position, and the
         tiles mamba_ssm's kernels chose where they tuned themselves (collective)."""
         p = self.recipe.parallel
-        return {**self._kernel_tiles(),"training_sha256": self.recipe.training_sha256, "seed": self.recipe.seed,
+        return {**self._kernel_tiles(), "training_sha256": self.recipe.training_sha256, "seed": self.recipe.seed,
                 "layout": {"world_size": self.world, "dp": self.dp, "ep": p.ep, "pp": p.pp,
                            "micro_batch_size": self.micro_batch, "accumulation": self.accumulation,
                            "device": self.device.type, "threads": torch.get_num_threads()},
