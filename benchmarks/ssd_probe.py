@@ -5,13 +5,12 @@
 Candidates: the kit's torch `ssd_chunked` eager, the same under `torch.compile`, both again with
 the states carried across chunks by a recurrence (`carry_by_recurrence`: one pass a chunk, as
 mamba_ssm's state passing, where the kit's `carry_across_chunks` is one float32 product with the
-matrix of decays), both again with the decays inside a chunk from one cumulative sum
-(`decay_by_difference`, as mamba_ssm's kernels), and mamba_ssm's
-Triton SSD where it imports (the kit's op around it, `model/mamba_ssm_scan.py`, eager and under
-`torch.compile(fullgraph=True)`). Each runs forward + backward on the shapes
-of one Mamba layer of the preset (bf16 x, B, C as the bf16 model makes them; float32 dt, A, D), timed with
-CUDA events after warm-up; output and input-gradient errors are relative to `ssd_chunked` in
-float64. The fastest candidate whose errors stay within bf16 rounding is the one to use.
+matrix of decays), and mamba_ssm's Triton SSD where it imports (the kit's op around it,
+`model/mamba_ssm_scan.py`, eager and under `torch.compile(fullgraph=True)`). Each runs forward +
+backward on the shapes of one Mamba layer of the preset (bf16 x, B, C as the bf16 model makes
+them; float32 dt, A, D), timed with CUDA events after warm-up; output and input-gradient errors
+are relative to `ssd_chunked` in float64. The fastest candidate whose errors stay within bf16
+rounding is the one to use.
 """
 
 from __future__ import annotations
@@ -60,16 +59,6 @@ def carry_by_recurrence(chunk_states: torch.Tensor, chunk_logdecay: torch.Tensor
         entering.append(state)
         state = state * decay[:, z] + chunk_states[:, z]
     return torch.stack(entering, dim=1)
-
-
-def decay_by_difference(a: torch.Tensor) -> torch.Tensor:
-    """`mamba2.decay_within_chunks` from one cumulative sum a chunk: the decay from s to l is
-    exp(cumsum[l] - cumsum[s]), pointwise, as mamba_ssm's kernels compute it, where the kit sums each
-    [l, s] segment (a cumulative sum over an [l, s] matrix: exact, but a scan per element). In float32
-    the difference of two large sums loses digits the bf16 product that follows would lose anyway."""
-    cumulative = a.cumsum(dim=-1)
-    causal = torch.ones(a.size(-1), a.size(-1), dtype=torch.bool, device=a.device).tril()
-    return torch.exp((cumulative[..., :, None] - cumulative[..., None, :]).masked_fill(~causal, -torch.inf))
 
 
 def with_mamba2(fn, **replaced):
@@ -129,13 +118,11 @@ def main() -> int:
 
     tensors, chunk, grad_out = inputs(args.preset, args.batch, args.seq_len, device)
     reference = forward_backward(ssd_chunked, {k: v.double() for k, v in tensors.items()}, chunk, grad_out.double())
-    recurrence, difference = {"carry_across_chunks": carry_by_recurrence}, {"decay_within_chunks": decay_by_difference}
-    candidates = {"torch": ssd_chunked, "torch-recurrence": with_mamba2(ssd_chunked, **recurrence),
-                  "torch-decay-difference": with_mamba2(ssd_chunked, **difference)}
+    recurrence = {"carry_across_chunks": carry_by_recurrence}
+    candidates = {"torch": ssd_chunked, "torch-recurrence": with_mamba2(ssd_chunked, **recurrence)}
     if not args.no_compile:
         candidates["torch-compiled"] = torch.compile(ssd_chunked)
         candidates["torch-recurrence-compiled"] = with_mamba2(torch.compile(ssd_chunked), **recurrence)
-        candidates["torch-decay-difference-compiled"] = with_mamba2(torch.compile(ssd_chunked), **difference)
     loaded, why_not = mamba_ssm_scan.load_kernels()
     if loaded is not None and device.type == "cuda":
         candidates["mamba_ssm"] = mamba_ssm_scan.chunk_scan

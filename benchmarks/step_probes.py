@@ -14,7 +14,6 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py update-chunk --chunk 4 -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py router-bf16-gemm -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py ssd-carry-recurrence -- BENCH_OPTIONS
-    PYTHONPATH=starter_code python3 benchmarks/step_probes.py ssd-decay-difference -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py flex-attention --mask-len 4096 -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
@@ -51,11 +50,6 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
 - `ssd-carry-recurrence`: the torch SSD scan's states carried across chunks by a recurrence
   (`ssd_probe.carry_by_recurrence`), not `model/mamba2.py`'s float32 product with the matrix of
   decays (three CUDA-core GEMMs, about 13 ms of that step);
-- `ssd-decay-difference`: the torch SSD scan's decays inside a chunk from one cumulative sum a chunk,
-  exp(cumsum[l] - cumsum[s]) (`ssd_probe.decay_by_difference`, as mamba_ssm's kernels), not a
-  cumulative sum over each [l, s] matrix: the scan's two largest reductions of the A2 baseline's
-  deterministic step, forward and backward (about 16 ms of its 293 on one H100,
-  results/2026-12-06-h100-deterministic-scan-microbatch/f-torch-det-kernels.json);
 - `flex-attention --mask-len N`: attention as FlexAttention (compiled with its layer: the layers must
   compile) with a causal block mask over N tokens, not SDPA. Its backward computes dQ in programs of
   its own, adding nothing with atomics, so torch's deterministic mode leaves it as it is; SDPA's flash
@@ -181,7 +175,7 @@ def main() -> int:
     parser.add_argument("probes", nargs="+", metavar="PROBE",
                         choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
                                  "router-own-unit", "one-unit", "fsdp-one-rank", "unfused-update",
-                                 "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence", "ssd-decay-difference",
+                                 "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence",
                                  "flex-attention"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
     parser.add_argument("--mask-len", type=int, help="flex-attention: the sequence length of every attention call")
@@ -230,12 +224,6 @@ def main() -> int:
             from onenode.model import mamba2
 
             mamba2.carry_across_chunks = carry_by_recurrence
-        elif probe == "ssd-decay-difference":
-            from ssd_probe import decay_by_difference
-
-            from onenode.model import mamba2
-
-            mamba2.decay_within_chunks = decay_by_difference
         elif not torch.cuda.is_available():
             parser.error(f"{probe} needs a CUDA GPU: none is visible here")
         elif probe == "flex-attention":

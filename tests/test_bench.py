@@ -196,8 +196,7 @@ def test_step_probes_run_bench_with_one_setting_changed(tmp_path):
     out = tmp_path / "probe.json"
     bench_options = ["--preset", "tiny", "--seq-len", "32", "--steps", "1", "--warmup", "0", "--quiet",
                      "--profile", str(tmp_path / "prof"), "--out", str(out)]
-    done = subprocess.run([sys.executable, str(script), "router-bf16-gemm", "ssd-carry-recurrence",
-                           "ssd-decay-difference", "loss-chunk",
+    done = subprocess.run([sys.executable, str(script), "router-bf16-gemm", "ssd-carry-recurrence", "loss-chunk",
                            "--logits", "4096", "--", *bench_options],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

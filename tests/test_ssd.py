@@ -115,18 +115,17 @@ def test_the_probes_carry_by_recurrence_is_the_kits_carry():
     torch.testing.assert_close(recurrence(**inp, chunk_size=CHUNK), ssd_naive(**inp), rtol=1e-10, atol=1e-10)
 
 
-def test_the_probes_decays_by_difference_are_the_kits_decays():
-    """benchmarks/ssd_probe.py's decays inside a chunk from one cumulative sum (the step probe
-    `ssd-decay-difference`) are `decay_within_chunks`' in float64 (zero above the diagonal), and the
-    scan through them is the step-by-step recurrence; the kit's functions are back in place after."""
+def test_decays_within_a_chunk_from_one_cumulative_sum_are_the_segment_sums():
+    """The decays inside a chunk, exp(a_cum[l] - a_cum[s]), are exp(segment_sum) (the exact sum of
+    each segment) in float64, zero above the diagonal; in float32 over a chunk of 256 steps whose sum
+    reaches -512 they stay within float32's rounding of the exponent."""
     from onenode.model import mamba2
 
-    probe = load_script("benchmarks/ssd_probe.py")
     a = -torch.rand(2, 3, 4, 5, CHUNK, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 2
-    got = probe.decay_by_difference(a)
-    torch.testing.assert_close(got, mamba2.decay_within_chunks(a), rtol=1e-12, atol=1e-12)
+    got = mamba2.decay_within_chunks(a.cumsum(dim=-1))
+    torch.testing.assert_close(got, torch.exp(mamba2.segment_sum(a)), rtol=1e-12, atol=1e-12)
     assert torch.equal(got.triu(1), torch.zeros_like(got))
-    inp = _inputs(3 * CHUNK + 2)
-    difference = probe.with_mamba2(ssd_chunked, decay_within_chunks=probe.decay_by_difference)
-    torch.testing.assert_close(difference(**inp, chunk_size=CHUNK), ssd_naive(**inp), rtol=1e-10, atol=1e-10)
-    assert mamba2.decay_within_chunks is not probe.decay_by_difference
+    long = -torch.rand(4, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * 4
+    exact = torch.exp(mamba2.segment_sum(long))
+    single = mamba2.decay_within_chunks(long.float().cumsum(dim=-1)).double()
+    torch.testing.assert_close(single, exact, rtol=1e-4, atol=1e-6)

@@ -28,7 +28,8 @@ def segment_sum(a: torch.Tensor) -> torch.Tensor:
     """`out[..., i, j] = a[..., j+1] + ... + a[..., i]` for i >= j, -inf above the diagonal.
 
     exp() of it is the decay from position j to position i. Built from a masked cumsum rather than
-    a difference of cumsums, which loses precision when the sums get large.
+    a difference of cumsums, which loses precision when the sums get large: across chunks they
+    run over the whole sequence (`carry_across_chunks`, a [c+1, c+1] matrix, cheap either way).
     """
     T = a.size(-1)
     ones = torch.ones(T, T, dtype=torch.bool, device=a.device)
@@ -36,10 +37,16 @@ def segment_sum(a: torch.Tensor) -> torch.Tensor:
     return a.cumsum(dim=-2).masked_fill(~torch.tril(ones), -torch.inf)
 
 
-def decay_within_chunks(a: torch.Tensor) -> torch.Tensor:
-    """[..., l, s]: the decay from position s to position l of each chunk (0 for s > l), from each
-    position's dt A (`a`, [..., l])."""
-    return torch.exp(segment_sum(a))
+def decay_within_chunks(a_cum: torch.Tensor) -> torch.Tensor:
+    """[..., l, s]: the decay from position s to position l of each chunk (0 for s > l), from the
+    cumulative dt A of each chunk (`a_cum`, [..., l]): exp(a_cum[l] - a_cum[s]), pointwise, as
+    mamba_ssm's kernels compute it. `segment_sum` would sum each [l, s] segment instead, a scan per
+    element of an [l, s] matrix: exact, and 5% of the A2 baseline's step on an H100
+    (benchmarks/results/2026-12-06-h100-accumulation-replay-decay-difference/). Within a chunk the
+    sums stay small, and the digits float32's difference loses the bf16 product that follows loses
+    anyway."""
+    causal = torch.ones(a_cum.size(-1), a_cum.size(-1), dtype=torch.bool, device=a_cum.device).tril()
+    return torch.exp((a_cum[..., :, None] - a_cum[..., None, :]).masked_fill(~causal, -torch.inf))
 
 
 def carry_across_chunks(chunk_states: torch.Tensor, chunk_logdecay: torch.Tensor) -> torch.Tensor:
@@ -92,7 +99,7 @@ def ssd_chunked(
 
     # 1. Within each chunk: y_l = sum_{s<=l} (C_l . B_s) decay(s->l) dt_s x_s.
     scores = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)
-    weights = scores[:, :, None] * decay_within_chunks(a)  # [b, g, r, c, l, s], float32
+    weights = scores[:, :, None] * decay_within_chunks(a_cum)  # [b, g, r, c, l, s], float32
     y = torch.einsum("bgrcls,bcsgrp->bclgrp", weights.to(operands), dtx.to(operands)).to(dtype)
 
     # 2. The state each chunk leaves behind, from its own inputs only.
