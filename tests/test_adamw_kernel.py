@@ -63,13 +63,17 @@ def _assert_copy_holds(copy: torch.Tensor, master: torch.Tensor) -> None:
     assert torch.equal(copy, master.bfloat16()) or torch.equal(copy, cut)
 
 
+# (gradient dtype, has a bf16 copy): one micro-batch's on the copies, a router's, several added up on the masters
+GRADIENT_KINDS = [(torch.bfloat16, True), (torch.float32, False), (torch.float32, True)]
+
+
 def _members(gen: torch.Generator, moments: torch.dtype, device: str = "cpu"):
     """Parameters of every kind the kit's model has: bf16 gradients and copies, float32 gradients
-    and no copy (a router), sizes below, at and past a block, and one of a single element."""
-    kinds = [(torch.bfloat16, True), (torch.float32, False)]
+    and no copy (a router), float32 gradients and copies (several micro-batches' added up on the
+    masters), sizes below, at and past a block, and one of a single element."""
     members = []
     for i, numel in enumerate([1, 31, 32, 33, 127, 128, 129, 300, 3 * 128, 7]):
-        grad_dtype, has_copy = kinds[i % 2]
+        grad_dtype, has_copy = GRADIENT_KINDS[i % 3]
         param = torch.randn(numel, generator=gen)
         members.append({"param": param, "grad": (torch.randn(numel, generator=gen) * 0.1).to(grad_dtype),
                         "exp_avg": (torch.randn(numel, generator=gen) * 0.01).to(moments),
@@ -187,12 +191,12 @@ def test_the_kernel_leaves_strided_tensors_to_the_compiled_update(monkeypatch):
 
 def _int8_members(gen: torch.Generator, device: str = "cpu"):
     """Parameters with int8 moments, of row lengths below, at and past a block (`INT8_BLOCK`, 256),
-    of two and three dimensions, with bf16 gradients and copies or float32 and none; their moments
+    of two and three dimensions, of each of `GRADIENT_KINDS`; their moments
     the codes of random values (`_encode`), at different step counts."""
     book_m, book_v = master_update.int8_codebooks(torch.device("cpu"))
     members = []
     for i, shape in enumerate([(3, 5), (2, 256), (3, 300), (2, 2, 513), (1, 7), (5, 1024)]):
-        grad_dtype, has_copy = [(torch.bfloat16, True), (torch.float32, False)][i % 2]
+        grad_dtype, has_copy = GRADIENT_KINDS[i % 3]
         param = torch.randn(shape, generator=gen)
         state = {"param": param, "grad": (torch.randn(shape, generator=gen) * 0.1).to(grad_dtype),
                  "step": torch.tensor(float(1 + i % 3)), "copy": param.bfloat16() if has_copy else None}
@@ -312,7 +316,7 @@ def test_a_gpu_launcher_binds_the_kernels_arguments(monkeypatch):
     monkeypatch.setattr(adamw_kernel, "_kernel", lambda: Launcher())
     members = _members(torch.Generator().manual_seed(2), torch.bfloat16)
     _run(adamw_kernel.adamw, members)
-    assert len(bound) == 2  # two kinds: bf16 gradients with copies, float32 without
+    assert len(bound) == len(GRADIENT_KINDS)  # a launch a kind
     for _, specialization, options in bound:
         assert options["num_warps"] == adamw_kernel.NUM_WARPS and len(specialization) == len(kernel.params)
         assert ("constexpr", adamw_kernel.BLOCK) in specialization

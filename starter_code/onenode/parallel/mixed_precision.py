@@ -7,9 +7,9 @@ FSDP: around its forward the unit swaps in `param_dtype` copies of its parameter
 the masters when these have changed (an optimizer step, a loaded checkpoint) and kept at fixed
 addresses, which CUDA graphs need. An activation-checkpointed layer recomputes on them too (the hooks
 sit on the layer inside the checkpoint). As backward produces each copy's gradient it is added to
-its master's in float32 and freed, as FSDP reduces in float32; or, for a step of one micro-batch,
-left on the copy for `train/master_update.py`, which updates the masters and writes the copies in
-one pass (`MasterWeights.defer_grads`).
+its master's in float32 and freed, as FSDP reduces in float32 (`train/master_update.py` then
+updates the masters from those and writes the copies in one pass); or, for a step of one
+micro-batch, left on the copy, where that pass reads it in bf16 (`MasterWeights.defer_grads`).
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ class MasterWeights:
     `defer_grads`: a backward leaves each gradient on its copy (in `param_dtype`) instead of adding
     it to the master. A training step of one micro-batch sets it, so that the optimizer reads the
     bf16 gradients and writes the copies in the pass that updates the masters (`train/step.py`):
-    the float32 gradients, and the copies' refresh from the masters, cost a read and a write of every
-    parameter each. With several micro-batches the gradients add up in float32, on the masters.
+    the float32 gradients cost a read and a write of every parameter. With several micro-batches the
+    gradients add up in float32, on the masters, and the same pass reads them there.
     """
 
     def __init__(self):

@@ -11,9 +11,14 @@ bytes per parameter instead of 52.
 
 The math is torch's AdamW (decoupled weight decay, bias corrections from each parameter's step
 count), on the optimizer's own state, so checkpoints and the unfused step read and continue it. It
-applies to plain `torch.optim.AdamW` and to steps of one micro-batch (several add up in float32, on
-the masters). The first step makes the state as torch's AdamW would, so it is fused too: what it
-compiles falls in a run's first step, which benchmarks leave out as warm-up.
+applies to plain `torch.optim.AdamW`, at any number of micro-batches: one leaves its bf16 gradients on
+the copies; several add theirs up in float32 on the masters (`parallel/mixed_precision.py`), and the
+update reads those and still writes the copies, where the unfused step runs the clip, AdamW and
+the copies' refresh as passes of their own (torch's AdamW alone took 9.9 ms of the A2 baseline's
+279 ms step of two micro-batches on one H100: `difference-det-true.json` of
+benchmarks/results/2026-12-06-h100-accumulation-replay-decay-difference/). The first step makes
+the state as torch's AdamW would, so it is fused too: what it compiles falls in a run's first step,
+which benchmarks leave out as warm-up.
 
 On a GPU the update is one of two (`update_on`, the recipe's `train.fused_update_kernel`):
 `adamw_kernel`'s Triton kernel (`KernelUpdate`), one launch per kind of parameter, compiled in
@@ -64,11 +69,12 @@ CHUNK = 16  # parameters per compiled call: bounds each graph's size (and compil
 
 
 def applies(weights: MasterWeights | None, optimizer, accumulation_steps: int) -> bool:
-    """Whether this step can be the fused one: bf16 copies over float32 masters, one micro-batch,
-    plain AdamW (its moments in the parameters' dtype), or `AdamWCompactMoments` and its kinds
-    (`offload.AdamWOffloaded`), whose step is this update."""
+    """Whether this step can be the fused one: bf16 copies over float32 masters, plain AdamW (its
+    moments in the parameters' dtype), or `AdamWCompactMoments` and its kinds
+    (`offload.AdamWOffloaded`, one micro-batch: `assembly.assemble` checks), whose step is this
+    update. Any number of micro-batches (`accumulation_steps`, at least one)."""
     plain = type(optimizer) is torch.optim.AdamW or isinstance(optimizer, AdamWCompactMoments)
-    if weights is None or accumulation_steps != 1 or not plain:
+    if weights is None or accumulation_steps < 1 or not plain:
         return False
     return not any(group["amsgrad"] or group["maximize"] or group["differentiable"]
                    for group in optimizer.param_groups)
@@ -370,13 +376,14 @@ def _groups(optimizer: torch.optim.AdamW, copy_of) -> tuple[list[tuple], list[to
     """Per parameter group of `optimizer` with gradients, its members (`update_member`), its lr as
     a tensor on their device and its other hyperparameters; and the gradients in the optimizer's
     order (as the unfused clip sums their norms). A parameter's gradient is on its copy where
-    `copy_of(param)` gives one, else on itself; a DTensor's local shard is updated in place."""
+    `copy_of(param)` gives one that holds it (one micro-batch), else on itself (several add up on
+    the master, in float32); a DTensor's local shard is updated in place."""
     groups, grads = [], []
     for group in optimizer.param_groups:
         members = []
         for param in group["params"]:
             copy = copy_of(param)
-            grad = copy.grad if copy is not None else param.grad
+            grad = copy.grad if copy is not None and copy.grad is not None else param.grad
             if grad is not None:
                 state = _state(optimizer, group, param)
                 members.append(update_member(_local(param), _local(grad),

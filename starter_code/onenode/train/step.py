@@ -173,8 +173,9 @@ def train_step(
     micro-batches whose gradients add up; with pipeline parallelism the schedule splits it into its
     own microbatches instead. `aux_loss_fn` returns the auxiliary
     loss of the forward just run (`RouterBalancer.pop_aux_loss`); the objective adds it times
-    `aux_loss_coef`. Where `train/master_update.py` applies (one process in bf16, one micro-batch,
-    AdamW), the clip and the update are its fused pass (on a GPU by `update_kernel`: triton or
+    `aux_loss_coef`. Where `train/master_update.py` applies (one process in bf16, AdamW), the clip
+    and the update are its fused pass, from the bf16 gradients on the copies (one micro-batch) or the
+    float32 ones added up on the masters (several) (on a GPU by `update_kernel`: triton or
     inductor, `master_update.update_on`), unless `fused_update` is False: then the
     masters take float32 gradients and the optimizer steps them. Returns this rank's loss (mean
     over micro-batches; None on pipeline ranks without the last stage), the global gradient norm
@@ -189,7 +190,7 @@ def train_step(
             raise ValueError("pipeline parallelism splits the batch into its own microbatches and computes the "
                              "loss on its last stage: no accumulation_steps or aux_loss_fn with pp > 1")
         loss, aux = parallel.pipeline.step(input_ids, labels), None
-    elif fused:  # the gradients stay bf16 on the copies, for the fused update
+    elif fused and accumulation_steps == 1:  # the gradients stay bf16 on the copies, for the fused update
         with weights.deferring_grads():
             loss, aux = _forward_backward(parallel.model, input_ids, labels, 1, aux_loss_fn, aux_loss_coef)
     else:

@@ -1,7 +1,13 @@
-import glob, json, os
-for f in sorted(glob.glob(os.environ["OUT"] + "/*.json")):
+"""One line per record of $OUT: tokens/s, MFU, peak GPU memory, the last two losses."""
+import glob
+import json
+import os
+
+for path in sorted(glob.glob(os.environ["OUT"] + "/*.json")):
     try:
-        d = json.load(open(f)); r = d["results"]
-        print(os.path.basename(f), round(r["tokens_per_s"]), r.get("mfu"), r.get("peak_memory_gib"), d.get("steps", {}).get("losses", [])[-2:])
-    except Exception as e:
-        print(os.path.basename(f), "unreadable:", e)
+        record = json.load(open(path))
+        results = record["results"]
+        print(os.path.basename(path), round(results["tokens_per_s"]), results.get("mfu"),
+              results.get("peak_memory_gib"), record.get("steps", {}).get("losses", [])[-2:])
+    except (KeyError, TypeError, ValueError) as e:
+        print(os.path.basename(path), "unreadable:", e)
