@@ -202,6 +202,18 @@ def test_a_meta_json_loader_other_than_the_checkpoints_own_fails_the_data_order(
     assert not checks["data order"].ok and "meta.json names another loader state" in checks["data order"].detail
     assert checks["replay"].ok and checks["weights"].ok  # the weights are honest: only the copy lies
 
+
+def test_a_span_takes_the_kernel_tiles_its_end_records(job, submission):
+    """Each replayed span takes the tiles mamba_ssm's kernels chose during it, from its end
+    checkpoint's `kernel_tiles` (`Trainer.take_kernel_tiles`, in the sandboxed harness); a record it
+    cannot take, here one for two processes where the run had one, fails that span in one line
+    whatever the weights."""
+    _edit_json(_metas(submission)[-1], lambda m: m.update(kernel_tiles=[[], []]))
+    checks, _ = verified(job, submission)
+    assert not checks["replay"].ok and checks["weights"].ok
+    assert "could not be replayed: RecipeError" in checks["replay"].detail
+    assert "recorded for 2 processes, this run has 1" in checks["replay"].detail
+
 def _claim_diloco(sub: Path) -> None:
     """The run's recipe turned to DiLoCo (two groups, a sync every checkpoint interval), each
     checkpoint's recipe hash updated to it: the chain intact, the run a DiLoCo run by its files."""
