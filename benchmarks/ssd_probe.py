@@ -118,11 +118,12 @@ def main() -> int:
 
     tensors, chunk, grad_out = inputs(args.preset, args.batch, args.seq_len, device)
     reference = forward_backward(ssd_chunked, {k: v.double() for k, v in tensors.items()}, chunk, grad_out.double())
-    recurrence = {"carry_across_chunks": carry_by_recurrence}
-    candidates = {"torch": ssd_chunked, "torch-recurrence": with_mamba2(ssd_chunked, **recurrence)}
+    candidates = {"torch": ssd_chunked,
+                  "torch-recurrence": with_mamba2(ssd_chunked, carry_across_chunks=carry_by_recurrence)}
     if not args.no_compile:
         candidates["torch-compiled"] = torch.compile(ssd_chunked)
-        candidates["torch-recurrence-compiled"] = with_mamba2(torch.compile(ssd_chunked), **recurrence)
+        candidates["torch-recurrence-compiled"] = with_mamba2(torch.compile(ssd_chunked),
+                                                              carry_across_chunks=carry_by_recurrence)
     loaded, why_not = mamba_ssm_scan.load_kernels()
     if loaded is not None and device.type == "cuda":
         candidates["mamba_ssm"] = mamba_ssm_scan.chunk_scan

@@ -175,8 +175,7 @@ def main() -> int:
     parser.add_argument("probes", nargs="+", metavar="PROBE",
                         choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
                                  "router-own-unit", "one-unit", "fsdp-one-rank", "unfused-update",
-                                 "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence",
-                                 "flex-attention"])
+                                 "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence", "flex-attention"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
     parser.add_argument("--mask-len", type=int, help="flex-attention: the sequence length of every attention call")
     parser.add_argument("--chunk", type=int, help="update-chunk: parameters per compiled update call")

@@ -186,7 +186,7 @@ def test_out_of_memory_is_one_line_that_says_what_to_change(monkeypatch):
 
 
 def test_step_probes_run_bench_with_one_setting_changed(tmp_path):
-    """benchmarks/step_probes.py: the bench's record with the longer kernel list, four probes at once
+    """benchmarks/step_probes.py: the bench's record with the longer kernel list, three probes at once
     (the router's bf16 GEMMs keep the float32 path off a GPU); on a machine without CUDA the
     host-sync probe refuses in one line."""
     import subprocess

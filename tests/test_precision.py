@@ -182,7 +182,7 @@ def test_bench_bf16_on_cpu(tmp_path):
     assert bf16["steps"]["losses"] == pytest.approx(fp32["steps"]["losses"], abs=0.05)
 
 
-def _train_one_micro_batch(config, fused: bool, steps: int = 4, accumulation_steps: int = 1):
+def _train_bf16_steps(config, fused: bool, steps: int = 4, accumulation_steps: int = 1):
     """`steps` bf16 steps of the tiny model on one process, clipped hard; the fused update's calls."""
     from onenode.train import master_update
 
@@ -209,9 +209,9 @@ def test_fused_update_takes_the_unfused_step(accumulation_steps):
     torch's AdamW would. Both runs take it from the same weights and gradients; the copies then hold
     the updated masters, and the state is torch's."""
     config = get_preset("tiny")
-    fused, fused_opt, fused_steps, fused_calls = _train_one_micro_batch(config, fused=True, steps=1,
+    fused, fused_opt, fused_steps, fused_calls = _train_bf16_steps(config, fused=True, steps=1,
                                                                         accumulation_steps=accumulation_steps)
-    plain, plain_opt, plain_steps, plain_calls = _train_one_micro_batch(config, fused=False, steps=1,
+    plain, plain_opt, plain_steps, plain_calls = _train_bf16_steps(config, fused=False, steps=1,
                                                                         accumulation_steps=accumulation_steps)
     assert (fused_calls, plain_calls) == (1, 0)
     assert all(step["grad_norm"] > 0.5 for step in plain_steps)  # the clip scales every step

@@ -67,8 +67,7 @@ def compile_note(training, warmup: int) -> str | None:
     step took 90 to 145 s on one H200, benchmarks/results/): a bench that prints nothing that long
     looks hung. None: nothing (the fused update's Triton kernel compiles in seconds)."""
     t = training.recipe.train
-    fused = t.fused_update and master_update.applies(training.parallel.master_weights, training.optimizer,
-                                                     training.layout.accumulation)
+    fused = t.fused_update and master_update.applies(training.parallel.master_weights, training.optimizer)
     compiled_update = fused and master_update.compiled_on_gpu(t.update_kernel())
     compiled = (["the fused optimizer update"] * compiled_update
                 + ["the layers"] * (t.compile != "off"))

@@ -40,9 +40,9 @@ def segment_sum(a: torch.Tensor) -> torch.Tensor:
 def decay_within_chunks(a_cum: torch.Tensor) -> torch.Tensor:
     """[..., l, s]: the decay from position s to position l of each chunk (0 for s > l), from the
     cumulative dt A of each chunk (`a_cum`, [..., l]): exp(a_cum[l] - a_cum[s]), pointwise, as
-    mamba_ssm's kernels compute it. `segment_sum` would sum each [l, s] segment instead, a scan per
-    element of an [l, s] matrix: exact, and 5% of the A2 baseline's step on an H100
-    (benchmarks/results/2026-12-06-h100-accumulation-replay-decay-difference/). Within a chunk the
+    mamba_ssm's kernels compute it. `segment_sum` sums each [l, s] segment instead, a scan per
+    element of an [l, s] matrix: exact, but the A2 baseline's deterministic step took 5% longer
+    with it on an H100 (benchmarks/results/2026-12-06-h100-accumulation-replay-decay-difference/). Within a chunk the
     sums stay small, and the digits float32's difference loses the bf16 product that follows loses
     anyway."""
     causal = torch.ones(a_cum.size(-1), a_cum.size(-1), dtype=torch.bool, device=a_cum.device).tril()

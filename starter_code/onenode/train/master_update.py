@@ -68,13 +68,13 @@ from . import adamw_kernel
 CHUNK = 16  # parameters per compiled call: bounds each graph's size (and compile time); a step makes N / CHUNK calls
 
 
-def applies(weights: MasterWeights | None, optimizer, accumulation_steps: int) -> bool:
-    """Whether this step can be the fused one: bf16 copies over float32 masters, plain AdamW (its
-    moments in the parameters' dtype), or `AdamWCompactMoments` and its kinds
-    (`offload.AdamWOffloaded`, one micro-batch: `assembly.assemble` checks), whose step is this
-    update. Any number of micro-batches (`accumulation_steps`, at least one)."""
+def applies(weights: MasterWeights | None, optimizer) -> bool:
+    """Whether a step can be the fused one, at any number of micro-batches: bf16 copies over float32
+    masters, plain AdamW (its moments in the parameters' dtype), or `AdamWCompactMoments` and its
+    kinds (`offload.AdamWOffloaded`, one micro-batch: `assembly.assemble` checks), whose step is
+    this update."""
     plain = type(optimizer) is torch.optim.AdamW or isinstance(optimizer, AdamWCompactMoments)
-    if weights is None or accumulation_steps < 1 or not plain:
+    if weights is None or not plain:
         return False
     return not any(group["amsgrad"] or group["maximize"] or group["differentiable"]
                    for group in optimizer.param_groups)

@@ -184,7 +184,7 @@ def train_step(
     parallel = model if isinstance(model, ParallelModel) else ParallelModel(model)
     optimizer.zero_grad(set_to_none=True)
     weights = parallel.master_weights
-    fused = fused_update and master_update.applies(weights, optimizer, accumulation_steps)
+    fused = fused_update and master_update.applies(weights, optimizer)
     if parallel.pipeline is not None:
         if accumulation_steps > 1 or aux_loss_fn is not None:
             raise ValueError("pipeline parallelism splits the batch into its own microbatches and computes the "
