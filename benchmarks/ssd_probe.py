@@ -5,8 +5,9 @@
 Candidates: the kit's torch `ssd_chunked` eager, the same under `torch.compile`, both again with
 the states carried across chunks by a recurrence (`carry_by_recurrence`: one pass a chunk, as
 mamba_ssm's state passing, where the kit's `carry_across_chunks` is one float32 product with the
-matrix of decays), and mamba_ssm's Triton SSD where it imports (the kit's op around it,
-`model/mamba_ssm_scan.py`, eager and under `torch.compile(fullgraph=True)`). Each runs forward +
+matrix of decays) or by that product on bf16 operands (`carry_on_bf16`), and mamba_ssm's Triton
+SSD where it imports (the kit's op around it, `model/mamba_ssm_scan.py`, eager and under
+`torch.compile(fullgraph=True)`). Each runs forward +
 backward on the shapes of one Mamba layer of the preset (bf16 x, B, C as the bf16 model makes
 them; float32 dt, A, D), timed with CUDA events after warm-up; output and input-gradient errors
 are relative to `ssd_chunked` in float64. The fastest candidate whose errors stay within bf16
@@ -59,6 +60,19 @@ def carry_by_recurrence(chunk_states: torch.Tensor, chunk_logdecay: torch.Tensor
         entering.append(state)
         state = state * decay[:, z] + chunk_states[:, z]
     return torch.stack(entering, dim=1)
+
+
+def carry_on_bf16(chunk_states: torch.Tensor, chunk_logdecay: torch.Tensor) -> torch.Tensor:
+    """`mamba2.carry_across_chunks` with its product's operands rounded to bf16 (float32 accumulation
+    on tensor cores), the result returned in float32. The kit's float32 product runs on CUDA cores:
+    three GEMMs of the A2 baseline's step, about 13 ms of 293 on one H100
+    (benchmarks/results/2026-12-06-h100-deterministic-scan-microbatch/f-torch-det-kernels.json). With
+    bf16 operands the states it carries are bf16 values already (the chunk products round them) and the
+    scan rounds the states it returns to bf16 before it uses them: only the decays round anew."""
+    chunk_states = torch.cat([torch.zeros_like(chunk_states[:, :1]), chunk_states], dim=1)
+    chunk_decay = torch.exp(mamba2.segment_sum(F.pad(chunk_logdecay, (1, 0))))  # [b, g, r, c+1, c+1]
+    carried = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay.bfloat16(), chunk_states.bfloat16())
+    return carried[:, :-1].to(chunk_states.dtype)
 
 
 def with_mamba2(fn, **replaced):
@@ -119,11 +133,14 @@ def main() -> int:
     tensors, chunk, grad_out = inputs(args.preset, args.batch, args.seq_len, device)
     reference = forward_backward(ssd_chunked, {k: v.double() for k, v in tensors.items()}, chunk, grad_out.double())
     candidates = {"torch": ssd_chunked,
-                  "torch-recurrence": with_mamba2(ssd_chunked, carry_across_chunks=carry_by_recurrence)}
+                  "torch-recurrence": with_mamba2(ssd_chunked, carry_across_chunks=carry_by_recurrence),
+                  "torch-carry-bf16": with_mamba2(ssd_chunked, carry_across_chunks=carry_on_bf16)}
     if not args.no_compile:
         candidates["torch-compiled"] = torch.compile(ssd_chunked)
         candidates["torch-recurrence-compiled"] = with_mamba2(torch.compile(ssd_chunked),
                                                               carry_across_chunks=carry_by_recurrence)
+        candidates["torch-carry-bf16-compiled"] = with_mamba2(torch.compile(ssd_chunked),
+                                                              carry_across_chunks=carry_on_bf16)
     loaded, why_not = mamba_ssm_scan.load_kernels()
     if loaded is not None and device.type == "cuda":
         candidates["mamba_ssm"] = mamba_ssm_scan.chunk_scan

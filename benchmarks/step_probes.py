@@ -14,6 +14,7 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py update-chunk --chunk 4 -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py router-bf16-gemm -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py ssd-carry-recurrence -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py ssd-carry-bf16 -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py flex-attention --mask-len 4096 -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
@@ -50,6 +51,8 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
 - `ssd-carry-recurrence`: the torch SSD scan's states carried across chunks by a recurrence
   (`ssd_probe.carry_by_recurrence`), not `model/mamba2.py`'s float32 product with the matrix of
   decays (three CUDA-core GEMMs, about 13 ms of that step);
+- `ssd-carry-bf16`: that product on bf16 operands with float32 accumulation (`ssd_probe.carry_on_bf16`),
+  on tensor cores;
 - `flex-attention --mask-len N`: attention as FlexAttention (compiled with its layer: the layers must
   compile) with a causal block mask over N tokens, not SDPA. Its backward computes dQ in programs of
   its own, adding nothing with atomics, so torch's deterministic mode leaves it as it is; SDPA's flash
@@ -175,7 +178,8 @@ def main() -> int:
     parser.add_argument("probes", nargs="+", metavar="PROBE",
                         choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
                                  "router-own-unit", "one-unit", "fsdp-one-rank", "unfused-update",
-                                 "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence", "flex-attention"])
+                                 "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence", "ssd-carry-bf16",
+                                 "flex-attention"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
     parser.add_argument("--mask-len", type=int, help="flex-attention: the sequence length of every attention call")
     parser.add_argument("--chunk", type=int, help="update-chunk: parameters per compiled update call")
@@ -217,12 +221,13 @@ def main() -> int:
             bench_options += ["--set", "train.fused_update_kernel=inductor"]  # the Triton kernel takes no chunks
         elif probe == "router-bf16-gemm":
             route_on_bf16_gemms()
-        elif probe == "ssd-carry-recurrence":
-            from ssd_probe import carry_by_recurrence  # this folder's: the script's own is on sys.path
+        elif probe in ("ssd-carry-recurrence", "ssd-carry-bf16"):
+            import ssd_probe  # this folder's: the script's own is on sys.path
 
             from onenode.model import mamba2
 
-            mamba2.carry_across_chunks = carry_by_recurrence
+            mamba2.carry_across_chunks = (ssd_probe.carry_by_recurrence if probe == "ssd-carry-recurrence"
+                                          else ssd_probe.carry_on_bf16)
         elif not torch.cuda.is_available():
             parser.error(f"{probe} needs a CUDA GPU: none is visible here")
         elif probe == "flex-attention":

@@ -115,6 +115,28 @@ def test_the_probes_carry_by_recurrence_is_the_kits_carry():
     torch.testing.assert_close(recurrence(**inp, chunk_size=CHUNK), ssd_naive(**inp), rtol=1e-10, atol=1e-10)
 
 
+def test_the_probes_carry_on_bf16_operands_is_the_kits_carry_to_bf16_rounding():
+    """benchmarks/ssd_probe.py's carry on bf16 operands (also the step probe `ssd-carry-bf16`) gives
+    `carry_across_chunks`' states to bf16 rounding when the states are bf16 values (as the scan's
+    chunk products make them), in float32; the scan through it stays within the probe's bound of the
+    float64 scan on bf16 inputs."""
+    from onenode.model import mamba2
+
+    probe = load_script("benchmarks/ssd_probe.py")
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(2, 5, 2, 3, 4, 6, generator=g).bfloat16().float()
+    logdecay = -torch.rand(2, 2, 3, 5, generator=g) * 3
+    got = probe.carry_on_bf16(states, logdecay)
+    want = mamba2.carry_across_chunks(states.double(), logdecay.double())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+    tensors, chunk, _ = probe.inputs("tiny", 2, 3 * 64 + 5, torch.device("cpu"))
+    low = {k: v.bfloat16() if k in ("x", "B", "C") else v for k, v in tensors.items()}
+    reference = ssd_chunked(**{k: v.double() for k, v in low.items()}, chunk_size=chunk)
+    scan = probe.with_mamba2(ssd_chunked, carry_across_chunks=probe.carry_on_bf16)
+    assert probe.relative_error(scan(**low, chunk_size=chunk), reference) < probe.MAX_RELATIVE_ERROR / 4
+
+
 def test_decays_within_a_chunk_from_one_cumulative_sum_are_the_segment_sums():
     """The decays inside a chunk, exp(a_cum[l] - a_cum[s]), are exp(segment_sum) (the exact sum of
     each segment) in float64, zero above the diagonal; in float32 over a chunk of 256 steps whose sum
