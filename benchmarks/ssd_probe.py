@@ -62,17 +62,18 @@ def carry_by_recurrence(chunk_states: torch.Tensor, chunk_logdecay: torch.Tensor
     return torch.stack(entering, dim=1)
 
 
+KIT_CARRY = mamba2.carry_across_chunks  # the probes below replace the module's name; this one stays
+
+
 def carry_on_bf16(chunk_states: torch.Tensor, chunk_logdecay: torch.Tensor) -> torch.Tensor:
-    """`mamba2.carry_across_chunks` with its product's operands rounded to bf16 (float32 accumulation
-    on tensor cores), the result returned in float32. The kit's float32 product runs on CUDA cores:
-    three GEMMs of the A2 baseline's step, about 13 ms of 293 on one H100
-    (benchmarks/results/2026-12-06-h100-deterministic-scan-microbatch/f-torch-det-kernels.json). With
-    bf16 operands the states it carries are bf16 values already (the chunk products round them) and the
-    scan rounds the states it returns to bf16 before it uses them: only the decays round anew."""
-    chunk_states = torch.cat([torch.zeros_like(chunk_states[:, :1]), chunk_states], dim=1)
-    chunk_decay = torch.exp(mamba2.segment_sum(F.pad(chunk_logdecay, (1, 0))))  # [b, g, r, c+1, c+1]
-    carried = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay.bfloat16(), chunk_states.bfloat16())
-    return carried[:, :-1].to(chunk_states.dtype)
+    """`mamba2.carry_across_chunks` under bf16 autocast: its product takes bf16 operands (float32
+    accumulation, on tensor cores), its decays stay float32, the result returns in float32. The kit's
+    float32 product runs on CUDA cores: three GEMMs of the A2 baseline's step, about 13 ms of 293 on
+    one H100 (benchmarks/results/2026-12-06-h100-deterministic-scan-microbatch/f-torch-det-kernels.json).
+    The states it carries are bf16 values already (the chunk products round them) and the scan rounds
+    the states it returns to bf16 before it uses them: only the decays round anew."""
+    with torch.autocast(chunk_states.device.type, dtype=torch.bfloat16):
+        return KIT_CARRY(chunk_states, chunk_logdecay).to(chunk_states.dtype)
 
 
 def with_mamba2(fn, **replaced):
@@ -132,15 +133,13 @@ def main() -> int:
 
     tensors, chunk, grad_out = inputs(args.preset, args.batch, args.seq_len, device)
     reference = forward_backward(ssd_chunked, {k: v.double() for k, v in tensors.items()}, chunk, grad_out.double())
-    candidates = {"torch": ssd_chunked,
-                  "torch-recurrence": with_mamba2(ssd_chunked, carry_across_chunks=carry_by_recurrence),
-                  "torch-carry-bf16": with_mamba2(ssd_chunked, carry_across_chunks=carry_on_bf16)}
-    if not args.no_compile:
-        candidates["torch-compiled"] = torch.compile(ssd_chunked)
-        candidates["torch-recurrence-compiled"] = with_mamba2(torch.compile(ssd_chunked),
-                                                              carry_across_chunks=carry_by_recurrence)
-        candidates["torch-carry-bf16-compiled"] = with_mamba2(torch.compile(ssd_chunked),
-                                                              carry_across_chunks=carry_on_bf16)
+    carries = {"": None, "-recurrence": carry_by_recurrence, "-carry-bf16": carry_on_bf16}
+    candidates = {}
+    for suffix, carry in carries.items():
+        for compiled in [False] if args.no_compile else [False, True]:
+            scan = torch.compile(ssd_chunked) if compiled else ssd_chunked
+            candidates[f"torch{suffix}{'-compiled' * compiled}"] = (
+                with_mamba2(scan, carry_across_chunks=carry) if carry else scan)
     loaded, why_not = mamba_ssm_scan.load_kernels()
     if loaded is not None and device.type == "cuda":
         candidates["mamba_ssm"] = mamba_ssm_scan.chunk_scan

@@ -214,6 +214,7 @@ def test_a_span_takes_the_kernel_tiles_its_end_records(job, submission):
     assert "could not be replayed: RecipeError" in checks["replay"].detail
     assert "recorded for 2 processes, this run has 1" in checks["replay"].detail
 
+
 def _claim_diloco(sub: Path) -> None:
     """The run's recipe turned to DiLoCo (two groups, a sync every checkpoint interval), each
     checkpoint's recipe hash updated to it: the chain intact, the run a DiLoCo run by its files."""

@@ -130,6 +130,10 @@ def test_the_probes_carry_on_bf16_operands_is_the_kits_carry_to_bf16_rounding():
     want = mamba2.carry_across_chunks(states.double(), logdecay.double())
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+    padded = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)  # the product itself took bf16 operands
+    decay = torch.exp(mamba2.segment_sum(torch.nn.functional.pad(logdecay, (1, 0))))
+    on_bf16 = torch.einsum("bgrzc,bcgrpn->bzgrpn", decay.bfloat16(), padded.bfloat16())[:, :-1]
+    assert torch.equal(got, on_bf16.float()) and not torch.equal(got, mamba2.carry_across_chunks(states, logdecay))
     tensors, chunk, _ = probe.inputs("tiny", 2, 3 * 64 + 5, torch.device("cpu"))
     low = {k: v.bfloat16() if k in ("x", "B", "C") else v for k, v in tensors.items()}
     reference = ssd_chunked(**{k: v.double() for k, v in low.items()}, chunk_size=chunk)
