@@ -261,6 +261,51 @@ def test_flex_attention_probe_is_the_models_attention(monkeypatch, device):
     assert "\n" not in str(info.value)
 
 
+def test_update_overlap_probe_is_the_fused_update_cut_per_unit(monkeypatch):
+    """update_overlap.py (step_probes.py update-overlap): each unit's share of the fused update, queued
+    at the step and run (on a CPU) at that unit's next forward, trains the tiny model in bf16 to the
+    fused update's bits, losses, masters and moments, over three steps (two micro-batches in the
+    last); every unit has its share queued after a step, the root's first."""
+    from onenode.bench import measure
+    from onenode.model import build_model
+    from onenode.parallel import ParallelDims, parallelize
+    from onenode.parallel.mixed_precision import CastUnit
+    from onenode.train import adamw_kernel, master_update
+    from onenode.train.step import build_optimizer, train_step
+
+    overlap = load_script("benchmarks/update_overlap.py")
+    config = get_preset("tiny")
+    ids = torch.randint(0, config.vocab_size, (3, 4, 32), generator=torch.Generator().manual_seed(0))
+
+    def train():
+        parallel = parallelize(build_model(config, seed=0), ParallelDims(), param_dtype=torch.bfloat16)
+        optimizer = build_optimizer(parallel, lr=3e-3)
+        losses, queued = [], []
+        for step, batch in enumerate(ids):
+            losses.append(train_step(parallel, optimizer, batch, batch.roll(-1, 1), 0.5,
+                                     accumulation_steps=2 if step == 2 else 1)["loss"])
+            if overlap.ACTIVE is not None:
+                queued.append(set(overlap.ACTIVE.pending))
+        if overlap.ACTIVE is not None:
+            overlap.ACTIVE.settle_all()
+        return parallel, optimizer, losses, queued
+
+    reference, reference_optimizer, want, _ = train()
+    for module, name in [(master_update, "clip_and_update"), (CastUnit, "swap_in"), (measure, "sync"),
+                         (adamw_kernel, "TABLES_KEPT"), (overlap, "ACTIVE")]:
+        monkeypatch.setattr(module, name, getattr(module, name))
+    overlap.install(clone_grads=False)
+    parallel, optimizer, got, queued = train()
+    units = parallel.master_weights.units
+    assert overlap.ACTIVE.order[0] is units[-1] and len(units) == config.num_hidden_layers + 1
+    assert queued == [{id(unit) for unit in units}] * 3
+    assert got == want
+    for (name, master), expected in zip(parallel.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(master, expected), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[master][key], reference_optimizer.state[expected][key]), (name, key)
+
+
 def test_every_row_and_column_of_the_output_is_explained_in_help():
     """Each row `onenode bench` prints (a record with every optional row: a profile, a measured
     ceiling) and each column of its top-kernels table is one `onenode bench --help` explains, and

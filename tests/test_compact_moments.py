@@ -311,7 +311,7 @@ def test_int8_moments_fused_and_unfused_steps_are_one_update():
                 p.grad = g
             with torch.no_grad():
                 groups, _ = master_update._groups(optimizer, lambda param: None)
-                master_update._update(groups, torch.ones(()), update)
+                master_update.apply_update(groups, torch.ones(()), update)
         runs.append((params, optimizer))
     (eager_params, eager), (traced_params, traced) = runs
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(eager_params, traced_params))

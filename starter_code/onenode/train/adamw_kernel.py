@@ -53,7 +53,7 @@ INT8_BLOCK = 256
 INT8_BLOCKS = 16
 INT8_TILE = 1
 INT8_NUM_WARPS = 1
-_TABLES_KEPT = 16  # on the device: block maps (one a kind) and offsets (an eager step's few gradient layouts)
+TABLES_KEPT = 16  # on the device: block maps (one a kind) and offsets (an eager step's few gradient layouts)
 
 
 def available() -> str | None:
@@ -221,10 +221,10 @@ _cache: dict[tuple, _Blocks | _Offsets] = {}
 
 
 def _cached(key: tuple, make):
-    """`make()`, or what it made for `key` among the last `_TABLES_KEPT` tables."""
+    """`make()`, or what it made for `key` among the last `TABLES_KEPT` tables."""
     value = _cache.pop(key, None) or make()
     _cache[key] = value  # the most recent last
-    while len(_cache) > _TABLES_KEPT:
+    while len(_cache) > TABLES_KEPT:
         del _cache[next(iter(_cache))]
     return value
 

@@ -352,11 +352,14 @@ def graphs_allowed(calls: list[tuple]) -> contextlib.AbstractContextManager:
 
 @torch.no_grad()
 def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_norm: float,
-                    update: ChunkedUpdate | KernelUpdate | None = None, kernel: str = "triton") -> torch.Tensor:
+                    update: ChunkedUpdate | KernelUpdate | None = None, kernel: str = "triton",
+                    apply=None) -> torch.Tensor:
     """Clip the step's gradients (on the bf16 copies, or on the masters that have none) to a global
     L2 norm and take `optimizer`'s AdamW step, writing the copies; the norm before clipping, a 0-d
     float32 tensor (no host sync, as `step.clip_grad_norm_`). `update` says how the parameters are
-    updated (default: `update_on` the gradients' device with `kernel`)."""
+    updated (default: `update_on` the gradients' device with `kernel`); `apply(groups, coef, update)`
+    runs the step's groups (default: the optimizer's `update_groups`, else `apply_update`;
+    `benchmarks/update_overlap.py` queues them on a side stream)."""
     groups, grads = _groups(optimizer, lambda param: weights.copy_of.get(id(param)))
     if not grads:
         return torch.zeros(())
@@ -366,7 +369,7 @@ def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_no
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     if update is None:
         update = update_on(grads[0].device, kernel)
-    getattr(optimizer, "update_groups", _update)(groups, coef, update)
+    (apply or getattr(optimizer, "update_groups", apply_update))(groups, coef, update)
     weights.drop_copy_grads()
     weights.copies_written()
     return total_norm
@@ -407,7 +410,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _update(groups: list[tuple], coef: torch.Tensor, update: ChunkedUpdate | KernelUpdate | None = None) -> None:
+def apply_update(groups: list[tuple], coef: torch.Tensor, update: ChunkedUpdate | KernelUpdate | None = None) -> None:
     """Update the groups' members (`_groups`) with gradients times `coef`, as `update` says
     (default: `update_on` their device)."""
     if not groups:
@@ -459,5 +462,5 @@ class AdamWCompactMoments(torch.optim.AdamW):
         return loss
 
     def update_groups(self, groups: list[tuple], coef: torch.Tensor, update=None) -> None:
-        """Update the groups' members (`_update`; `offload.AdamWOffloaded` streams its state)."""
-        _update(groups, coef, update)
+        """Update the groups' members (`apply_update`; `offload.AdamWOffloaded` streams its state)."""
+        apply_update(groups, coef, update)

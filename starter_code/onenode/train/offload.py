@@ -131,7 +131,7 @@ class AdamWOffloaded(AdamWCompactMoments):
             self.place_state(state)
 
     def update_groups(self, groups: list[tuple], coef: torch.Tensor, update=None) -> None:
-        """`master_update._update` with each call's host tensors copied to the device and back."""
+        """`master_update.apply_update` with each call's host tensors copied to the device and back."""
         cuda = self.device.type == "cuda"
         calls = [piece for call in cut(groups, update or update_on(self.device)) for piece in _bounded(call)]
         if not calls:

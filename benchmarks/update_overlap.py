@@ -1,0 +1,136 @@
+"""The fused update overlapped with the next step's forward, a probe (`step_probes.py update-overlap`).
+
+Why: at 1 x 4096 the fused update took 16.5 ms of the 64 ms step on one H200, at the memory
+roofline (benchmarks/results/2026-12-04-h200-bf16-moments-cuda-graphs/), so it cannot get faster,
+only hidden. The clip needs every gradient, so the update cannot start before the backward ends;
+it can run while the next step's forward computes.
+
+How: after the clip's coefficient, the step's parameters are cut by unit (`parallel/mixed_precision.py`:
+the root's embedding, final norm and head first, with the parameters that have no bf16 copy, then
+each layer's, in forward order) and each unit's update is queued on a side stream, an event
+recorded after it. Each unit's forward pre-hook waits on its own event before it swaps its copies
+in. The kernels and their inputs are the fused update's, cut per unit (the update is elementwise,
+each parameter on its own), so the bits are the same. Memory the side stream reads stays out of
+reuse: the gradients are recorded on its stream; under CUDA graphs the backward leaves them in the
+graphs' pool, which the next step's replays overwrite, so they are cloned first (on the main
+stream: 4 bytes a parameter).
+
+On a CPU there are no streams: each unit's update runs at its forward's pre-hook instead, which
+checks the cut and the order (the bits are the fused update's: `tests/test_bench.py`).
+
+What the kit would need to adopt it, which a probe leaves out: `onenode bench` syncs the whole device
+between steps, which runs the update before the next step can start, so under the probe it waits
+for the main stream only; and everything that reads the masters or the optimizer state between
+steps (a checkpoint, the replay's hashes, DiLoCo's outer step) must first wait on every unit
+(`OverlappedUpdate.settle_all`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from onenode.bench import measure
+from onenode.parallel.mixed_precision import CastUnit, MasterWeights
+from onenode.train import adamw_kernel, master_update
+
+ACTIVE: OverlappedUpdate | None = None  # the process's overlapped update, made at its first step
+
+
+class OverlappedUpdate:
+    """The fused update of one model's units, queued per unit; `settle(unit)` before its forward."""
+
+    def __init__(self, weights: MasterWeights, device: torch.device, clone_grads: bool):
+        *layers, root = weights.units
+        self.root = root
+        self.order = [root, *layers]  # the forward's order: the root's pre-hook runs before any layer's
+        self.unit_of = {master.data_ptr(): unit for unit in weights.units for master in unit.masters}
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.clone_grads = clone_grads
+        self.pending: dict[int, torch.cuda.Event | functools.partial] = {}  # id(unit) -> its event (GPU) or update
+
+    def cut(self, groups: list[tuple]) -> dict[int, list[tuple]]:
+        """Each unit's share of the step's groups (`master_update.clip_and_update`'s), by id; a
+        parameter with no bf16 copy (a router kept in float32) goes with the root's, which the
+        first forward hook waits on."""
+        shares: dict[int, list[tuple]] = {id(unit): [] for unit in self.order}
+        for members, lr, hyper in groups:
+            by_unit: dict[int, list] = {}
+            for member in members:
+                by_unit.setdefault(id(self.unit_of.get(member[0].data_ptr(), self.root)), []).append(member)
+            for key, share in by_unit.items():
+                shares[key].append((share, lr, hyper))
+        return shares
+
+    def launch(self, groups: list[tuple], coef: torch.Tensor, update) -> None:
+        """`clip_and_update`'s `apply`: queue each unit's update (what a unit has not waited on yet
+        is waited on first)."""
+        self.settle_all()
+        if self.stream is None:
+            self.pending = {key: functools.partial(master_update.apply_update, share, coef, update)
+                            for key, share in self.cut(groups).items() if share}
+            return
+        if self.clone_grads:
+            groups = [([(param, grad.clone(), state, copy) for param, grad, state, copy in members], lr, hyper)
+                      for members, lr, hyper in groups]
+        self.stream.wait_stream(torch.cuda.current_stream())
+        for members, lr, _ in groups:
+            lr.record_stream(self.stream)
+            for _, grad, _, _ in members:
+                grad.record_stream(self.stream)
+        coef.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            for key, share in self.cut(groups).items():
+                if share:
+                    master_update.apply_update(share, coef, update)
+                    self.pending[key] = torch.cuda.Event()
+                    self.pending[key].record()
+
+    def settle(self, unit: CastUnit) -> None:
+        """`unit`'s update done before what follows on this stream reads its parameters."""
+        waiting = self.pending.pop(id(unit), None)
+        if isinstance(waiting, torch.cuda.Event):
+            torch.cuda.current_stream().wait_event(waiting)
+        elif waiting is not None:
+            with torch.no_grad():  # a forward's hook runs with grad mode on: the update is no part of the graph
+                waiting()
+            unit.copied_versions = [master._version for master in unit.masters]  # the update wrote the copies
+
+    def settle_all(self) -> None:
+        for unit in self.order:
+            self.settle(unit)
+
+
+def install(clone_grads: bool) -> None:
+    """Take the fused update through `OverlappedUpdate` and wait on a unit before its forward; the
+    bench waits for the main stream only between steps. Before the model is built: the units' hooks
+    are bound when they are registered."""
+    clip_and_update, swap_in = master_update.clip_and_update, CastUnit.swap_in
+
+    def overlapped(weights, optimizer, max_norm, update=None, kernel="triton"):
+        global ACTIVE
+        if hasattr(optimizer, "update_groups") and type(optimizer).update_groups is not \
+                master_update.AdamWCompactMoments.update_groups:
+            raise ValueError("update-overlap: the optimizer streams its own state (optimizer.state: cpu): "
+                             "use optimizer.state: device")
+        if ACTIVE is None:
+            device = next(iter(weights.copy_of.values())).device
+            ACTIVE = OverlappedUpdate(weights, device, clone_grads)
+        return clip_and_update(weights, optimizer, max_norm, update, kernel, apply=ACTIVE.launch)
+
+    def settled_swap_in(unit, *hook_args):
+        if ACTIVE is not None:
+            ACTIVE.settle(unit)
+        swap_in(unit, *hook_args)
+
+    master_update.clip_and_update = overlapped
+    CastUnit.swap_in = settled_swap_in
+    adamw_kernel.TABLES_KEPT = max(adamw_kernel.TABLES_KEPT, 1024)  # a block map and offsets per unit and kind
+    measure.sync = sync_main_stream
+
+
+def sync_main_stream(device: torch.device) -> None:
+    """The bench's wait between steps for the main stream only: the side stream's update runs on."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
