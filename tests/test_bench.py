@@ -261,11 +261,14 @@ def test_flex_attention_probe_is_the_models_attention(monkeypatch, device):
     assert "\n" not in str(info.value)
 
 
-def test_update_overlap_probe_is_the_fused_update_cut_per_unit(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the side stream is a GPU's"))])
+def test_update_overlap_probe_is_the_fused_update_cut_per_unit(monkeypatch, device):
     """update_overlap.py (step_probes.py update-overlap): each unit's share of the fused update, queued
-    at the step and run (on a CPU) at that unit's next forward, trains the tiny model in bf16 to the
-    fused update's bits, losses, masters and moments, over three steps (two micro-batches in the
-    last); every unit has its share queued after a step, the root's first."""
+    at the step and run at that unit's next forward (a CPU) or on a side stream it waits on (a GPU),
+    trains the tiny model in bf16 to the fused update's bits, losses, masters and moments, over three
+    steps (two micro-batches in the last); every unit has its share queued after a step, the root's
+    first."""
     from onenode.bench import measure
     from onenode.model import build_model
     from onenode.parallel import ParallelDims, parallelize
@@ -275,10 +278,10 @@ def test_update_overlap_probe_is_the_fused_update_cut_per_unit(monkeypatch):
 
     overlap = load_script("benchmarks/update_overlap.py")
     config = get_preset("tiny")
-    ids = torch.randint(0, config.vocab_size, (3, 4, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, config.vocab_size, (3, 4, 32), generator=torch.Generator().manual_seed(0)).to(device)
 
     def train():
-        parallel = parallelize(build_model(config, seed=0), ParallelDims(), param_dtype=torch.bfloat16)
+        parallel = parallelize(build_model(config, seed=0, device=device), ParallelDims(), param_dtype=torch.bfloat16)
         optimizer = build_optimizer(parallel, lr=3e-3)
         losses, queued = [], []
         for step, batch in enumerate(ids):
