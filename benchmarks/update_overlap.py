@@ -18,6 +18,11 @@ stream: 4 bytes a parameter).
 On a CPU there are no streams: each unit's update runs at its forward's pre-hook instead, which
 checks the cut and the order (the bits are the fused update's: `tests/test_bench.py`).
 
+Run alone, it times both in one process (one compile), in alternating rounds of the same steps,
+each round between full device syncs (the overlapped update's last one inside it):
+
+    PYTHONPATH=starter_code python3 benchmarks/update_overlap.py --rounds 3 --out OUT.json -- BENCH_OPTIONS
+
 What the kit would need to adopt it, which a probe leaves out: `onenode bench` syncs the whole device
 between steps, which runs the update before the next step can start, so under the probe it waits
 for the main stream only; and everything that reads the masters or the optimizer state between
@@ -27,15 +32,26 @@ steps (a checkpoint, the replay's hashes, DiLoCo's outer step) must first wait o
 
 from __future__ import annotations
 
+import argparse
 import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
 
 import torch
 
 from onenode.bench import measure
+from onenode.bench.device import sync, synthetic_batches
+from onenode.cli import build_parser
 from onenode.parallel.mixed_precision import CastUnit, MasterWeights
 from onenode.train import adamw_kernel, master_update
+from onenode.train.assembly import assemble
+from onenode.train.logging import environment, git_commit
 
 ACTIVE: OverlappedUpdate | None = None  # the process's overlapped update, made at its first step
+ENABLED = True  # False: `install`'s step is the fused update as it is (the A/B rounds switch it)
 
 
 class OverlappedUpdate:
@@ -110,6 +126,8 @@ def install(clone_grads: bool) -> None:
 
     def overlapped(weights, optimizer, max_norm, update=None, kernel="triton"):
         global ACTIVE
+        if not ENABLED:
+            return clip_and_update(weights, optimizer, max_norm, update, kernel)
         if hasattr(optimizer, "update_groups") and type(optimizer).update_groups is not \
                 master_update.AdamWCompactMoments.update_groups:
             raise ValueError("update-overlap: the optimizer streams its own state (optimizer.state: cpu): "
@@ -134,3 +152,65 @@ def sync_main_stream(device: torch.device) -> None:
     """The bench's wait between steps for the main stream only: the side stream's update runs on."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def timed_rounds(training, batches, steps: int, rounds: int) -> list[dict]:
+    """Rounds of `steps` steps, the fused update as it is and overlapped by turns, each timed
+    between full device syncs; one untimed step before each round settles the switch."""
+    global ENABLED
+    results = []
+    for _ in range(rounds):
+        for overlapped in (False, True):
+            if ACTIVE is not None:
+                ACTIVE.settle_all()
+            ENABLED = overlapped
+            training.step(*next(batches))
+            sync(training.device)
+            start = time.perf_counter()
+            losses = [training.step(*next(batches))["loss"] for _ in range(steps)]
+            queued = len(ACTIVE.pending) if ACTIVE is not None else 0  # units the last step queued
+            sync(training.device)
+            elapsed = time.perf_counter() - start
+            results.append({"overlapped": overlapped, "seconds": elapsed, "losses": losses, "units_queued": queued,
+                            "tokens_per_s": steps * training.recipe.tokens_per_step / elapsed})
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="%(prog)s [--rounds N] --out FILE -- BENCH_OPTIONS")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each (alternating)")
+    parser.add_argument("--out", type=Path, required=True, help="the record (JSON)")
+    args = parser.parse_args(argv[:split])
+    bench = build_parser("bench").parse_args(["bench", *argv[split + 1:]])
+    if args.rounds < 1 or bench.steps < 1:
+        parser.error("--rounds and the bench's --steps must be >= 1")
+    recipe = measure.bench_recipe(bench, 1, bench.warmup + 2 * args.rounds * (bench.steps + 1))
+    install(clone_grads=recipe.train.cuda_graphs)
+    training = assemble(recipe)
+    if training.parallel.master_weights is None or training.layout.world > 1:
+        parser.error("the overlapped update is one process's fused update in bf16: one process, --dtype bf16")
+    device = training.device
+    batches = ((ids.to(device), labels.to(device)) for ids, labels in
+               synthetic_batches(training.config.vocab_size, recipe.train.global_batch_size, recipe.train.seq_len,
+                                 recipe.seed, 0, 1))
+    for _ in range(bench.warmup):
+        training.step(*next(batches))
+    rounds = timed_rounds(training, batches, bench.steps, args.rounds)
+    medians = {kind: statistics.median(r["tokens_per_s"] for r in rounds if r["overlapped"] == (kind == "overlapped"))
+               for kind in ("fused", "overlapped")}
+    record = {"record": "update-overlap", "command": " ".join(["benchmarks/update_overlap.py", *argv]),
+              "commit": git_commit(), "env": environment(1), "recipe": recipe.to_dict(),
+              "tokens_per_step": recipe.tokens_per_step, "rounds": rounds, "tokens_per_s": medians,
+              "overlapped_over_fused": medians["overlapped"] / medians["fused"]}
+    args.out.write_text(json.dumps(record, indent=1))
+    print(f"fused {medians['fused']:,.0f} tokens/s, overlapped {medians['overlapped']:,.0f} "
+          f"({record['overlapped_over_fused']:.3f}x), the median of {args.rounds} round(s) of {bench.steps} steps: "
+          f"{args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

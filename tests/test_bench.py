@@ -316,6 +316,29 @@ def test_update_overlap_probe_is_the_fused_update_cut_per_unit(monkeypatch, requ
             assert torch.equal(optimizer.state[master][key], reference_optimizer.state[expected][key]), (name, key)
 
 
+def test_update_overlap_times_both_updates_in_one_process(tmp_path):
+    """benchmarks/update_overlap.py run alone: the fused update as it is and overlapped (each unit's
+    update queued), by turns in one process, each round's tokens/s and losses in its record; a run without the bf16 masters it
+    overlaps (float32) is refused in one line."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "update_overlap.py"
+    bench = ["--preset", "tiny", "--seq-len", "32", "--steps", "2", "--warmup", "1"]
+    out = tmp_path / "overlap.json"
+    done = subprocess.run([sys.executable, str(script), "--rounds", "2", "--out", str(out), "--", *bench,
+                           "--dtype", "bf16"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert [r["overlapped"] for r in record["rounds"]] == [False, True, False, True]
+    assert all(r["tokens_per_s"] > 0 and len(r["losses"]) == 2 for r in record["rounds"])
+    assert [r["units_queued"] for r in record["rounds"]] == [0, 9, 0, 9]  # tiny: 8 layers and the root
+    assert record["overlapped_over_fused"] == record["tokens_per_s"]["overlapped"] / record["tokens_per_s"]["fused"]
+    refused = subprocess.run([sys.executable, str(script), "--out", str(out), "--", *bench, "--dtype", "fp32"],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "one process, --dtype bf16" in refused.stderr.splitlines()[-1]
+
+
 def test_every_row_and_column_of_the_output_is_explained_in_help():
     """Each row `onenode bench` prints (a record with every optional row: a profile, a measured
     ceiling) and each column of its top-kernels table is one `onenode bench --help` explains, and
