@@ -23,6 +23,11 @@ each round between full device syncs (the overlapped update's last one inside it
 
     PYTHONPATH=starter_code python3 benchmarks/update_overlap.py --rounds 3 --out OUT.json -- BENCH_OPTIONS
 
+The root's share (the embedding, the final norm and the head, a large part of the parameters where
+the vocabulary is large) is waited on before the first layer, since one unit swaps them all in:
+its head's update is not hidden. Units of their own for the embedding and for the head would
+hide it too.
+
 What the kit would need to adopt it, which a probe leaves out: `onenode bench` syncs the whole device
 between steps, which runs the update before the next step can start, so under the probe it waits
 for the main stream only; and everything that reads the masters or the optimizer state between
