@@ -24,8 +24,8 @@ each round between full device syncs (the overlapped update's last one inside it
     PYTHONPATH=starter_code python3 benchmarks/update_overlap.py --rounds 3 --out OUT.json -- BENCH_OPTIONS
 
 The root's share (the embedding, the final norm and the head: 11% of a1-1gpu's parameters) is
-waited on before the first layer, since one unit swaps them all in: it is not hidden. Units of their own for the embedding and for the head would
-hide it too.
+waited on before the first layer, since one unit swaps them all in: it is not hidden. Units of
+their own for the embedding and for the head would hide it too.
 
 What the kit would need to adopt it, which a probe leaves out: `onenode bench` syncs the whole device
 between steps, which runs the update before the next step can start, so under the probe it waits

@@ -318,8 +318,8 @@ def test_update_overlap_probe_is_the_fused_update_cut_per_unit(monkeypatch, requ
 
 def test_update_overlap_times_both_updates_in_one_process(tmp_path):
     """benchmarks/update_overlap.py run alone: the fused update as it is and overlapped (each unit's
-    update queued), by turns in one process, each round's tokens/s and losses in its record; a run without the bf16 masters it
-    overlaps (float32) is refused in one line."""
+    update queued), by turns in one process, each round's tokens/s and losses in its record; a run
+    without the bf16 masters it overlaps (float32) is refused in one line."""
     import subprocess
     import sys
 
