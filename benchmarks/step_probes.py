@@ -16,7 +16,6 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py ssd-carry-recurrence -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py ssd-carry-bf16 -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py flex-attention --mask-len 4096 -- BENCH_OPTIONS
-    PYTHONPATH=starter_code python3 benchmarks/step_probes.py update-overlap -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
 - `tf32`: float32 matmuls (the router, the SSD's cross-chunk carry) on TF32 tensor cores;
@@ -59,12 +58,7 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
   its own, adding nothing with atomics, so torch's deterministic mode leaves it as it is; SDPA's flash
   backward there takes a slower deterministic path (about 19.5 ms of the A2 baseline's deterministic
   step against cuDNN's 7.6 ms, results/2026-12-06-h100-expert-counts-int8/). A GPU only (flex has no
-  backward on a CPU);
-- `update-overlap`: the fused update of each unit (the root, then each layer) queued on a side stream,
-  each layer's forward in the next step waiting for its own (`update_overlap.py`): the update, 16.5 of
-  the 64 ms step at 1 x 4096 on one H200, runs while the next forward computes. The bench waits for
-  the main stream only between steps; under `--cuda-graphs` the gradients are cloned out of the graphs'
-  pool first. The losses are the fused update's, bit for bit.
+  backward on a CPU).
 
 Probes combine: `fsdp-one-rank one-unit -- ...` applies both.
 
@@ -185,7 +179,7 @@ def main() -> int:
                         choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
                                  "router-own-unit", "one-unit", "fsdp-one-rank", "unfused-update",
                                  "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence", "ssd-carry-bf16",
-                                 "flex-attention", "update-overlap"])
+                                 "flex-attention"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
     parser.add_argument("--mask-len", type=int, help="flex-attention: the sequence length of every attention call")
     parser.add_argument("--chunk", type=int, help="update-chunk: parameters per compiled update call")
@@ -234,11 +228,6 @@ def main() -> int:
 
             mamba2.carry_across_chunks = (ssd_probe.carry_by_recurrence if probe == "ssd-carry-recurrence"
                                           else ssd_probe.carry_on_bf16)
-        elif probe == "update-overlap":
-            import update_overlap  # this folder's, as ssd_probe
-
-            update_overlap.install(clone_grads="--cuda-graphs" in bench_options
-                                   or "train.cuda_graphs=true" in bench_options)
         elif not torch.cuda.is_available():
             parser.error(f"{probe} needs a CUDA GPU: none is visible here")
         elif probe == "flex-attention":

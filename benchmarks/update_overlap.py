@@ -1,4 +1,4 @@
-"""The fused update overlapped with the next step's forward, a probe (`step_probes.py update-overlap`).
+"""The fused update overlapped with the next step's forward, a probe timed against the update as it is.
 
 Why: at 1 x 4096 the fused update took 16.5 ms of the 64 ms step on one H200, at the memory
 roofline (benchmarks/results/2026-12-04-h200-bf16-moments-cuda-graphs/), so it cannot get faster,
@@ -18,8 +18,8 @@ stream: 4 bytes a parameter).
 On a CPU there are no streams: each unit's update runs at its forward's pre-hook instead, which
 checks the cut and the order (the bits are the fused update's: `tests/test_bench.py`).
 
-Run alone, it times both in one process (one compile), in alternating rounds of the same steps,
-each round between full device syncs (the overlapped update's last one inside it):
+It times both in one process (one compile), in alternating rounds of the same steps, each round
+between full device syncs (the overlapped update's last one inside it):
 
     PYTHONPATH=starter_code python3 benchmarks/update_overlap.py --rounds 3 --out OUT.json -- BENCH_OPTIONS
 
@@ -28,10 +28,10 @@ waited on before the first layer, since one unit swaps them all in: it is not hi
 their own for the embedding and for the head would hide it too.
 
 What the kit would need to adopt it, which a probe leaves out: `onenode bench` syncs the whole device
-between steps, which runs the update before the next step can start, so under the probe it waits
-for the main stream only; and everything that reads the masters or the optimizer state between
-steps (a checkpoint, the replay's hashes, DiLoCo's outer step) must first wait on every unit
-(`OverlappedUpdate.settle_all`).
+between steps, which runs the update before the next step can start (these rounds time a window of
+steps instead, as `onenode train` does); and everything that reads the masters or the optimizer
+state between steps (a checkpoint, the replay's hashes, DiLoCo's outer step, the A1 grader's
+evidence) must first wait on every unit (`OverlappedUpdate.settle_all`).
 """
 
 from __future__ import annotations
@@ -123,9 +123,8 @@ class OverlappedUpdate:
 
 
 def install(clone_grads: bool) -> None:
-    """Take the fused update through `OverlappedUpdate` and wait on a unit before its forward; the
-    bench waits for the main stream only between steps. Before the model is built: the units' hooks
-    are bound when they are registered."""
+    """Take the fused update through `OverlappedUpdate` (while `ENABLED`) and wait on a unit before
+    its forward. Before the model is built: the units' hooks are bound when they are registered."""
     clip_and_update, swap_in = master_update.clip_and_update, CastUnit.swap_in
 
     def overlapped(weights, optimizer, max_norm, update=None, kernel="triton"):
@@ -149,13 +148,6 @@ def install(clone_grads: bool) -> None:
     master_update.clip_and_update = overlapped
     CastUnit.swap_in = settled_swap_in
     adamw_kernel.TABLES_KEPT = max(adamw_kernel.TABLES_KEPT, 1024)  # a block map and offsets per unit and kind
-    measure.sync = sync_main_stream
-
-
-def sync_main_stream(device: torch.device) -> None:
-    """The bench's wait between steps for the main stream only: the side stream's update runs on."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
 
 
 def timed_rounds(training, batches, steps: int, rounds: int) -> list[dict]:

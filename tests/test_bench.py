@@ -264,12 +264,11 @@ def test_flex_attention_probe_is_the_models_attention(monkeypatch, device):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the side stream is a GPU's"))])
 def test_update_overlap_probe_is_the_fused_update_cut_per_unit(monkeypatch, request, device):
-    """update_overlap.py (step_probes.py update-overlap): each unit's share of the fused update, queued
+    """update_overlap.py: each unit's share of the fused update, queued
     at the step and run at that unit's next forward (a CPU) or on a side stream it waits on (a GPU),
     trains the tiny model in bf16 to the fused update's bits, losses, masters and moments, over three
     steps (two micro-batches in the last); every unit has its share queued after a step, the root's
     first."""
-    from onenode.bench import measure
     from onenode.model import build_model
     from onenode.parallel import ParallelDims, parallelize
     from onenode.parallel.mixed_precision import CastUnit
@@ -301,8 +300,8 @@ def test_update_overlap_probe_is_the_fused_update_cut_per_unit(monkeypatch, requ
         return parallel, optimizer, losses, queued
 
     reference, reference_optimizer, want, _ = train()
-    for module, name in [(master_update, "clip_and_update"), (CastUnit, "swap_in"), (measure, "sync"),
-                         (adamw_kernel, "TABLES_KEPT"), (overlap, "ACTIVE")]:
+    for module, name in [(master_update, "clip_and_update"), (CastUnit, "swap_in"), (adamw_kernel, "TABLES_KEPT"),
+                         (overlap, "ACTIVE")]:
         monkeypatch.setattr(module, name, getattr(module, name))
     overlap.install(clone_grads=False)
     parallel, optimizer, got, queued = train()
@@ -317,7 +316,7 @@ def test_update_overlap_probe_is_the_fused_update_cut_per_unit(monkeypatch, requ
 
 
 def test_update_overlap_times_both_updates_in_one_process(tmp_path):
-    """benchmarks/update_overlap.py run alone: the fused update as it is and overlapped (each unit's
+    """benchmarks/update_overlap.py: the fused update as it is and overlapped (each unit's
     update queued), by turns in one process, each round's tokens/s and losses in its record; a run
     without the bf16 masters it overlaps (float32) is refused in one line."""
     import subprocess
