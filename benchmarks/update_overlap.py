@@ -50,11 +50,13 @@ from onenode.bench import measure
 from onenode.bench.device import sync, synthetic_batches
 from onenode.cli import build_parser
 from onenode.parallel.mixed_precision import CastUnit, MasterWeights
+from onenode.profiling import device_kernels, profiled, union_us
 from onenode.train import adamw_kernel, master_update
 from onenode.train.assembly import assemble
 from onenode.train.logging import environment, git_commit
 
 ACTIVE: OverlappedUpdate | None = None  # the process's overlapped update, made at its first step
+UPDATE_KERNEL = "adamw"  # in the names of the fused update's kernels (train/adamw_kernel.py)
 ENABLED = True  # False: `install`'s step is the fused update as it is (the A/B rounds switch it)
 
 
@@ -172,6 +174,35 @@ def timed_rounds(training, batches, steps: int, rounds: int) -> list[dict]:
     return results
 
 
+def streams(training, batches, steps: int) -> dict:
+    """Where the update's kernels ran against the rest, in `steps` profiled steps of each kind
+    (on a CPU, no kernels: zeros): seconds of the update's kernels (the fused AdamW's, by name), of the others, of both
+    at once, and of none (the GPU idle, waiting on the host). Overlapped rounds that are no faster
+    show here whether the update ran beside the forward at all."""
+    global ENABLED
+    split = {}
+    for overlapped in (False, True):
+        if ACTIVE is not None:
+            ACTIVE.settle_all()
+        ENABLED = overlapped
+        training.step(*next(batches))
+        sync(training.device)
+        with profiled(training.device) as prof:
+            for _ in range(steps):
+                training.step(*next(batches))
+            sync(training.device)
+        kernels = device_kernels(prof)
+        update = [(start, end) for name, start, end in kernels if UPDATE_KERNEL in name]
+        rest = [(start, end) for name, start, end in kernels if UPDATE_KERNEL not in name]
+        busy = union_us(update + rest)
+        both = union_us(update) + union_us(rest) - busy
+        window = (max(end for _, _, end in kernels) - min(start for _, start, _ in kernels)) if kernels else 0.0
+        split["overlapped" if overlapped else "fused"] = {
+            "window_s": window / 1e6, "update_s": union_us(update) / 1e6, "other_s": union_us(rest) / 1e6,
+            "both_s": both / 1e6, "idle_s": (window - busy) / 1e6, "update_kernels": len(update)}
+    return split
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
@@ -179,11 +210,14 @@ def main(argv: list[str] | None = None) -> int:
                                      usage="%(prog)s [--rounds N] --out FILE -- BENCH_OPTIONS")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each (alternating)")
     parser.add_argument("--out", type=Path, required=True, help="the record (JSON)")
+    parser.add_argument("--trace-steps", type=int, default=0,
+                        help="then profile this many steps of each kind: where the update's kernels ran (GPU)")
     args = parser.parse_args(argv[:split])
     bench = build_parser("bench").parse_args(["bench", *argv[split + 1:]])
     if args.rounds < 1 or bench.steps < 1:
         parser.error("--rounds and the bench's --steps must be >= 1")
-    recipe = measure.bench_recipe(bench, 1, bench.warmup + 2 * args.rounds * (bench.steps + 1))
+    recipe = measure.bench_recipe(bench, 1, bench.warmup + 2 * args.rounds * (bench.steps + 1)
+                                  + 2 * (args.trace_steps + 1))
     install(clone_grads=recipe.train.cuda_graphs)
     training = assemble(recipe)
     if training.parallel.master_weights is None or training.layout.world > 1:
@@ -195,12 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(bench.warmup):
         training.step(*next(batches))
     rounds = timed_rounds(training, batches, bench.steps, args.rounds)
+    split = streams(training, batches, args.trace_steps) if args.trace_steps else None
     medians = {kind: statistics.median(r["tokens_per_s"] for r in rounds if r["overlapped"] == (kind == "overlapped"))
                for kind in ("fused", "overlapped")}
     record = {"record": "update-overlap", "command": " ".join(["benchmarks/update_overlap.py", *argv]),
               "commit": git_commit(), "env": environment(1), "recipe": recipe.to_dict(),
               "tokens_per_step": recipe.tokens_per_step, "rounds": rounds, "tokens_per_s": medians,
-              "overlapped_over_fused": medians["overlapped"] / medians["fused"]}
+              "overlapped_over_fused": medians["overlapped"] / medians["fused"], "streams": split}
     args.out.write_text(json.dumps(record, indent=1))
     print(f"fused {medians['fused']:,.0f} tokens/s, overlapped {medians['overlapped']:,.0f} "
           f"({record['overlapped_over_fused']:.3f}x), the median of {args.rounds} round(s) of {bench.steps} steps: "

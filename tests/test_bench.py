@@ -317,7 +317,8 @@ def test_update_overlap_probe_is_the_fused_update_cut_per_unit(monkeypatch, requ
 
 def test_update_overlap_times_both_updates_in_one_process(tmp_path):
     """benchmarks/update_overlap.py: the fused update as it is and overlapped (each unit's
-    update queued), by turns in one process, each round's tokens/s and losses in its record; a run
+    update queued), by turns in one process, each round's tokens/s and losses in its record, then
+    a profiled step of each (`--trace-steps`); a run
     without the bf16 masters it overlaps (float32) is refused in one line."""
     import subprocess
     import sys
@@ -325,14 +326,15 @@ def test_update_overlap_times_both_updates_in_one_process(tmp_path):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "update_overlap.py"
     bench = ["--preset", "tiny", "--seq-len", "32", "--steps", "2", "--warmup", "1"]
     out = tmp_path / "overlap.json"
-    done = subprocess.run([sys.executable, str(script), "--rounds", "2", "--out", str(out), "--", *bench,
-                           "--dtype", "bf16"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(script), "--rounds", "2", "--trace-steps", "1", "--out", str(out),
+                           "--", *bench, "--dtype", "bf16"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads(out.read_text())
     assert [r["overlapped"] for r in record["rounds"]] == [False, True, False, True]
     assert all(r["tokens_per_s"] > 0 and len(r["losses"]) == 2 for r in record["rounds"])
     assert [r["units_queued"] for r in record["rounds"]] == [0, 9, 0, 9]  # tiny: 8 layers and the root
     assert record["overlapped_over_fused"] == record["tokens_per_s"]["overlapped"] / record["tokens_per_s"]["fused"]
+    assert set(record["streams"]) == {"fused", "overlapped"}  # profiled after the rounds (a CPU has no kernels)
     refused = subprocess.run([sys.executable, str(script), "--out", str(out), "--", *bench, "--dtype", "fp32"],
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "one process, --dtype bf16" in refused.stderr.splitlines()[-1]
@@ -429,7 +431,7 @@ def test_update_graphs_counts_what_the_fused_update_compiles():
 
 
 class _RawEvent:
-    """One of the profiler's raw (kineto) events, as `profiling._device_kernels` reads it."""
+    """One of the profiler's raw (kineto) events, as `profiling.device_kernels` reads it."""
 
     def __init__(self, name, start_ns, end_ns, on_gpu=True, annotation=False):
         from torch.autograd import DeviceType

@@ -43,7 +43,7 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _device_kernels(prof) -> list[tuple[str, float, float]]:
+def device_kernels(prof) -> list[tuple[str, float, float]]:
     """(name, start, end in microseconds) of every kernel and copy on the GPU, read from the
     profiler's raw events: `prof.events()` and `key_averages()` first build a Python tree of every
     CPU op too (the unpatched starter's profiled window, two steps of 47,375 kernels each, took 110 s
@@ -68,7 +68,7 @@ def time_split(prof, device: torch.device) -> dict[str, float]:
     nothing overlaps).
     """
     if device.type == "cuda":
-        kernels = _device_kernels(prof)
+        kernels = device_kernels(prof)
         comm = [(start, end) for name, start, end in kernels if COLLECTIVE.search(name)]
         compute = [(start, end) for name, start, end in kernels if not COLLECTIVE.search(name)]
         busy = union_us(comm + compute)
@@ -91,7 +91,7 @@ def self_times(prof, device: torch.device) -> list[tuple[str, int, float]]:
     `top_kernels` and `kernel_mix` read."""
     if device.type == "cuda":
         totals: dict[str, list] = {}
-        for name, start, end in _device_kernels(prof):
+        for name, start, end in device_kernels(prof):
             entry = totals.setdefault(name, [0, 0.0])
             entry[0] += 1
             entry[1] += (end - start) / 1e6
