@@ -6,9 +6,9 @@ Run from a kit tree (a patched copy for the solution); nothing is allocated (the
 
     PYTHONPATH=starter_code python3 benchmarks/update_graphs.py --preset a1-1gpu --chunks 16 8 4 --out OUT.json
 
-The members are the kit's (`master_update.update_member`: float32 master and moments, the bf16 copy's
-gradient and the copy), grouped as the kit's AdamW groups them (`weight_decay.param_groups`) and
-chunked by `master_update.chunks`. For each chunk size: the update's calls a step, its distinct
+The members are the kit's (float32 master and moments, the bf16 copy's gradient and the copy),
+grouped as the kit's AdamW groups them (`weight_decay.param_groups`), flattened and chunked by
+`master_update.chunks`. For each chunk size: the update's calls a step, its distinct
 graphs (each compiled once, in the first step) and the parameters those graphs trace: what a cold
 first step compiles (`results/2026-12-04-cpu-update-graphs/`).
 """
@@ -32,7 +32,7 @@ def _meta_member(param: torch.Tensor) -> tuple:
 
     master = like(torch.float32)
     state = {"step": torch.zeros((), device="meta"), "exp_avg": like(torch.float32), "exp_avg_sq": like(torch.float32)}
-    return master_update.update_member(master, like(torch.bfloat16), state, like(torch.bfloat16))
+    return master, like(torch.bfloat16), state, like(torch.bfloat16)
 
 
 def count(preset: str, chunk: int) -> dict:

@@ -133,6 +133,24 @@ def test_the_tables_follow_the_tensors():
     assert not torch.equal(updated_first[0]["param"], updated_second[0]["param"])
 
 
+def test_the_offsets_are_each_tensors_distance_from_its_roles_first():
+    """`_offsets`' table, computed over all tensors at once: each tensor's elements from its role's
+    first tensor (before it too), in units of the largest power of two up to 16 dividing a role's
+    offsets; a tensor that starts inside an element of its role's first is refused in one line."""
+    floats, halves = torch.zeros(4096), torch.zeros(4096, dtype=torch.bfloat16)
+    starts = [[800, 16, 1600, 3200], [64, 0, 96, 32], [100, 102, 96, 98]]  # roles: float32, float32, bf16
+    rows = [[pool[s:s + 8] for s in role] for pool, role in zip((floats, floats, halves), starts)]
+    adamw_kernel._cache.clear()
+    offsets = adamw_kernel._offsets(rows)
+    assert offsets.align == (16, 16, 2)
+    want = [[(s - role[0]) // align for s in role] for role, align in zip(starts, (16, 16, 2))]
+    assert offsets.table.tolist() == [list(column) for column in zip(*want)]
+    buffer = bytearray(64)
+    aligned, one_byte_in = (torch.frombuffer(buffer, dtype=torch.bfloat16, count=8, offset=k) for k in (0, 1))
+    with pytest.raises(ValueError, match="whole element"):
+        adamw_kernel._offsets([[aligned, one_byte_in]])
+
+
 def test_the_kit_step_through_the_kernel_matches_the_cpu_step(monkeypatch):
     """`clip_and_update` with `KernelUpdate` (a GPU's update) on the tiny model in bf16: one launch
     per parameter group and kind of parameter (a group is one call, not chunks), and the

@@ -183,23 +183,18 @@ def _int8_layout(shapes: tuple[tuple[int, ...], ...], device: torch.device) -> t
 class _Offsets:
     """Each tensor's element offsets from its role's base (the role's first tensor) in units of
     `align`: per role, the power of two (at most 16) that divides every offset, which the kernel
-    multiplies back (so the compiler knows the addresses aligned: vector loads)."""
+    multiplies back (so the compiler knows the addresses aligned: vector loads). Computed on int64
+    tensors, not per tensor in Python: gradients that move make it again every step, over thousands
+    of tensors in the unpatched starter."""
 
-    def __init__(self, rows: list[list[torch.Tensor]], device: torch.device):
-        roles = len(rows)
-        offsets = []
-        for tensors in zip(*rows):
-            row = []
-            for tensor, first in zip(tensors, (column[0] for column in rows)):
-                distance = tensor.data_ptr() - first.data_ptr()
-                if distance % tensor.element_size():
-                    raise ValueError("a tensor does not start at a whole element from its kind's first: "
-                                     "the fused update's kernel cannot address it")
-                row.append(distance // tensor.element_size())
-            offsets.append(row)
-        self.align = tuple(_alignment([row[role] for row in offsets]) for role in range(roles))
-        offsets = [[offset // align for offset, align in zip(row, self.align)] for row in offsets]
-        self.table = _to(torch.tensor(offsets, dtype=torch.int64), device)
+    def __init__(self, addresses: torch.Tensor, element_sizes: torch.Tensor, device: torch.device):
+        distances = addresses - addresses[:, :1]  # [roles, tensors], in bytes
+        if bool((distances % element_sizes).any()):
+            raise ValueError("a tensor does not start at a whole element from its kind's first: "
+                             "the fused update's kernel cannot address it")
+        offsets = distances // element_sizes
+        self.align = tuple(next(a for a in (16, 8, 4, 2, 1) if not bool((role % a).any())) for role in offsets)
+        self.table = _to((offsets // torch.tensor(self.align).unsqueeze(1)).T.contiguous(), device)
 
 
 def _alignment(offsets: list[int]) -> int:
@@ -237,6 +232,7 @@ def _rows(columns: list) -> list[list[torch.Tensor]]:
 def _offsets(rows: list[list[torch.Tensor]]) -> _Offsets:
     """The offsets of these tensors' addresses, made again only when their addresses or sizes change."""
     device = rows[0][0].device
-    key = ("offsets", device, tuple(t.numel() for column in rows for t in column),
-           tuple(t.data_ptr() for column in rows for t in column))
-    return _cached(key, lambda: _Offsets(rows, device))
+    addresses = [t.data_ptr() for column in rows for t in column]
+    key = ("offsets", device, tuple(t.numel() for column in rows for t in column), tuple(addresses))
+    sizes = torch.tensor([[column[0].element_size()] for column in rows], dtype=torch.int64)
+    return _cached(key, lambda: _Offsets(torch.tensor(addresses, dtype=torch.int64).view(len(rows), -1), sizes, device))

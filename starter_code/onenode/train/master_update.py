@@ -304,12 +304,16 @@ def _flat(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.view(-1)
 
 
-def update_member(param: torch.Tensor, grad: torch.Tensor, state: dict, copy: torch.Tensor | None) -> tuple:
-    """One parameter's tensors for the update, flattened where the update is elementwise on them
-    all: float moments, every tensor contiguous (int8's blocks follow rows: kept as they are)."""
+def flattened(member: tuple) -> tuple:
+    """One parameter's tensors for a compiled chunk, flattened where the update is elementwise on
+    them all (float moments, every tensor contiguous; int8's blocks follow rows: kept as they are),
+    so chunks of equal sizes share a graph whatever their shapes. The kernel's launches take them as
+    they are: views made for each of thousands of parameters (the unpatched starter's) every step
+    cost the host more than the update's kernel."""
+    param, grad, state, copy = member
     tensors = [param, grad, state["exp_avg"], state["exp_avg_sq"]] + ([] if copy is None else [copy])
     if state["exp_avg"].dtype == torch.uint8 or not all(t.is_contiguous() for t in tensors):
-        return param, grad, state, copy
+        return member
     state = {**state, "exp_avg": _flat(state["exp_avg"]), "exp_avg_sq": _flat(state["exp_avg_sq"])}
     return _flat(param), _flat(grad), state, _flat(copy)
 
@@ -325,10 +329,10 @@ def _signature(member) -> tuple:
 
 
 def chunks(members: list) -> list[tuple[tuple, list]]:
-    """`members` sorted by signature and cut into runs of at most `CHUNK`, each with its members'
-    signatures: a model with many parameters of one shape makes many equal chunks, which one
-    compiled graph serves."""
-    keyed = sorted(((repr(_signature(m)), m) for m in members), key=lambda pair: pair[0])
+    """`members` flattened (`flattened`), sorted by signature and cut into runs of at most `CHUNK`,
+    each with its members' signatures: a model with many parameters of one shape makes many equal
+    chunks, which one compiled graph serves."""
+    keyed = sorted(((repr(_signature(m)), m) for m in map(flattened, members)), key=lambda pair: pair[0])
     return [(tuple(key for key, _ in keyed[i:i + CHUNK]), [m for _, m in keyed[i:i + CHUNK]])
             for i in range(0, len(keyed), CHUNK)]
 
@@ -376,8 +380,8 @@ def clip_and_update(weights: MasterWeights, optimizer: torch.optim.AdamW, max_no
 
 
 def _groups(optimizer: torch.optim.AdamW, copy_of) -> tuple[list[tuple], list[torch.Tensor]]:
-    """Per parameter group of `optimizer` with gradients, its members (`update_member`), its lr as
-    a tensor on their device and its other hyperparameters; and the gradients in the optimizer's
+    """Per parameter group of `optimizer` with gradients, its members (param, grad, state, copy), its
+    lr as a tensor on their device and its other hyperparameters; and the gradients in the optimizer's
     order (as the unfused clip sums their norms). A parameter's gradient is on its copy where
     `copy_of(param)` gives one that holds it (one micro-batch), else on itself (several add up on
     the master, in float32); a DTensor's local shard is updated in place."""
@@ -389,8 +393,8 @@ def _groups(optimizer: torch.optim.AdamW, copy_of) -> tuple[list[tuple], list[to
             grad = copy.grad if copy is not None and copy.grad is not None else param.grad
             if grad is not None:
                 state = _state(optimizer, group, param)
-                members.append(update_member(_local(param), _local(grad),
-                                             {key: _local(value) for key, value in state.items()}, copy))
+                members.append((_local(param), _local(grad), {key: _local(value) for key, value in state.items()},
+                                copy))
         grads += [grad for _, grad, _, _ in members]
         if members:
             lr = torch.full((), group["lr"], device=members[0][1].device)
