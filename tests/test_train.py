@@ -75,6 +75,35 @@ def test_tiny_stops_exactly_at_budget_and_loss_falls(tiny_run):
     assert len(list((tiny_run / "checkpoints").glob("step_*"))) == recipe.checkpoint.keep_last
 
 
+def test_the_collector_runs_between_steps_not_inside_them():
+    """`TrainingRun.step` pauses Python's cycle collector for the step and sweeps its young
+    generations after it, once: a collection inside a step promotes what the step holds alive and
+    brings on full collections of the whole process (`assembly.collecting_after`)."""
+    import gc
+
+    from onenode.train.assembly import assemble
+
+    run = assemble(_small())
+    ids = torch.randint(0, run.config.vocab_size, (4, 32))
+    run.step(ids, ids)
+    collections = []
+
+    def record(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10)  # a collection every 10 objects, were the collector on: many inside a step
+    gc.callbacks.append(record)
+    try:
+        for _ in range(2):
+            run.step(ids, ids)
+    finally:
+        gc.callbacks.remove(record)
+        gc.set_threshold(*thresholds)
+    assert collections == [1, 1] and gc.isenabled()
+
+
 def test_final_export_loads_back(tiny_run):
     import onenode
 

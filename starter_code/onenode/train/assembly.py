@@ -15,7 +15,9 @@ of a DiLoCo run (`parallel/diloco.py`): its step syncs with the other groups eve
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,6 +102,27 @@ def resolve_layout(recipe: Recipe, world: int) -> Layout:
     return Layout(world, dp, p.ep, p.pp, micro, accumulation, replicas)
 
 
+@contextlib.contextmanager
+def collecting_after():
+    """Python's cycle collector off within (a step) and run on its young generations after.
+
+    A step allocates Python objects by the thousand (a tensor's wrapper per op, the update's
+    members per parameter); left automatic, the collector runs in the middle of the step, where
+    what is alive then (the forward's and backward's) survives into the oldest generation and
+    brings on full collections of every object of the process: on the unpatched starter's 2,977
+    parameters, on a CPU, one every 2.5 steps at 155 ms each. After the step its objects are gone,
+    so the young generations are quick to sweep and nothing is promoted (torchtitan collects on a
+    schedule of its own for the same reason)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect(1)
+        if enabled:
+            gc.enable()
+
+
 @dataclass
 class TrainingRun:
     """A model laid out for training, its optimizer and load balancing, and the step they take."""
@@ -132,7 +155,8 @@ class TrainingRun:
         optimizer's current learning rate, then the routers' rebalancing: {"loss", "grad_norm",
         ("aux_loss"), and the balancer's record}."""
         inner_step = functools.partial(self._inner_step, input_ids, labels)
-        return inner_step() if self.diloco is None else self.diloco.step(inner_step)
+        with collecting_after():
+            return inner_step() if self.diloco is None else self.diloco.step(inner_step)
 
     def _inner_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
         t, coef = self.recipe.train, self.recipe.moe.aux_loss_coef
