@@ -112,7 +112,10 @@ def collecting_after():
     brings on full collections of every object of the process: on the unpatched starter's 2,977
     parameters, on a CPU, one every 2.5 steps at 155 ms each. After the step its objects are gone,
     so the young generations are quick to sweep and nothing is promoted (torchtitan collects on a
-    schedule of its own for the same reason)."""
+    schedule of its own for the same reason). Not under CUDA graphs: with the collector paused,
+    inductor's check of the graphs' memory pool failed on one H100 ("storage data ptrs are not
+    allocated in pool", benchmarks/results/2026-12-07-h100-update-overlap/), so their steps keep the
+    automatic collector."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -155,7 +158,7 @@ class TrainingRun:
         optimizer's current learning rate, then the routers' rebalancing: {"loss", "grad_norm",
         ("aux_loss"), and the balancer's record}."""
         inner_step = functools.partial(self._inner_step, input_ids, labels)
-        with collecting_after():
+        with contextlib.nullcontext() if self.recipe.train.cuda_graphs else collecting_after():
             return inner_step() if self.diloco is None else self.diloco.step(inner_step)
 
     def _inner_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
