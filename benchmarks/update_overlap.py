@@ -152,18 +152,23 @@ def install(clone_grads: bool) -> None:
     adamw_kernel.TABLES_KEPT = max(adamw_kernel.TABLES_KEPT, 1024)  # a block map and offsets per unit and kind
 
 
-def timed_rounds(training, batches, steps: int, rounds: int) -> list[dict]:
-    """Rounds of `steps` steps, the fused update as it is and overlapped by turns, each timed
-    between full device syncs; one untimed step before each round settles the switch."""
+def switch(training, batches, overlapped: bool) -> None:
+    """The update overlapped or not from here on, one untimed step taken to settle the switch."""
     global ENABLED
+    if ACTIVE is not None:
+        ACTIVE.settle_all()
+    ENABLED = overlapped
+    training.step(*next(batches))
+    sync(training.device)
+
+
+def timed_rounds(training, batches, steps: int, rounds: int) -> list[dict]:
+    """Rounds of `steps` steps, the fused update as it is and overlapped by turns (`switch`), each
+    timed between full device syncs."""
     results = []
     for _ in range(rounds):
         for overlapped in (False, True):
-            if ACTIVE is not None:
-                ACTIVE.settle_all()
-            ENABLED = overlapped
-            training.step(*next(batches))
-            sync(training.device)
+            switch(training, batches, overlapped)
             start = time.perf_counter()
             losses = [training.step(*next(batches))["loss"] for _ in range(steps)]
             queued = len(ACTIVE.pending) if ACTIVE is not None else 0  # units the last step queued
@@ -176,17 +181,12 @@ def timed_rounds(training, batches, steps: int, rounds: int) -> list[dict]:
 
 def streams(training, batches, steps: int) -> dict:
     """Where the update's kernels ran against the rest, in `steps` profiled steps of each kind
-    (on a CPU, no kernels: zeros): seconds of the update's kernels (the fused AdamW's, by name), of the others, of both
-    at once, and of none (the GPU idle, waiting on the host). Overlapped rounds that are no faster
+    (on a CPU, no kernels: zeros): seconds of the update's kernels (the fused AdamW's, by name), of
+    the others, of both at once, and of none (the GPU idle, waiting on the host). Overlapped rounds that are no faster
     show here whether the update ran beside the forward at all."""
-    global ENABLED
     split = {}
     for overlapped in (False, True):
-        if ACTIVE is not None:
-            ACTIVE.settle_all()
-        ENABLED = overlapped
-        training.step(*next(batches))
-        sync(training.device)
+        switch(training, batches, overlapped)
         with profiled(training.device) as prof:
             for _ in range(steps):
                 training.step(*next(batches))
