@@ -7,8 +7,9 @@ torch's deterministic algorithms SDPA leaves cuDNN out and takes flash attention
 backward, which took twice cuDNN's time on one H100 (the A2 step 5.4% slower in the mode:
 benchmarks/results/2026-12-07-h100-update-overlap/); FlexAttention's backward writes each query
 block's dQ from one program and loops over the heads a KV head serves, with no atomics, so it is
-deterministic as it is. It is fast only compiled (the layers' `train.compile`, or its own compile
-here when they are not).
+deterministic as it is; its tiles come from inductor's table for the shape and GPU (it tries others
+only under max-autotune, which the kit never sets), so a replay compiles the same kernels. It is
+fast only compiled (the layers' `train.compile`, or its own compile here when they are not).
 """
 
 from __future__ import annotations
