@@ -21,7 +21,7 @@ from torch import nn
 from .config import NemotronHConfig
 
 _BLOCK_MASKS: dict[tuple[int, str], object] = {}  # (sequence length, device) -> the causal BlockMask
-_compiled_flex = None
+_compiled_flex = None  # torch.compile(flex_attention), made at the first call outside a compiled layer on a GPU
 
 
 def _causal(batch, head, query, key):
