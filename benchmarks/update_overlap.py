@@ -18,6 +18,10 @@ stream: 4 bytes a parameter).
 On a CPU there are no streams: each unit's update runs at its forward's pre-hook instead, which
 checks the cut and the order (the bits are the fused update's: `tests/test_bench.py`).
 
+Measured on one H100 (benchmarks/results/2026-12-07-h100-update-overlap/): 0.96x at 1 x 4096 with
+CUDA graphs. `--trace-steps` showed why: the queued update ran beside the forward's kernels for 1.3
+ms of its 47, since each unit's launch takes every SM; the clones and the root's wait added the rest.
+
 It times both in one process (one compile), in alternating rounds of the same steps, each round
 between full device syncs (the overlapped update's last one inside it):
 
