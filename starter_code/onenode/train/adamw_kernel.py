@@ -234,5 +234,5 @@ def _offsets(rows: list[list[torch.Tensor]]) -> _Offsets:
     device = rows[0][0].device
     addresses = [t.data_ptr() for column in rows for t in column]
     key = ("offsets", device, tuple(t.numel() for column in rows for t in column), tuple(addresses))
-    sizes = torch.tensor([[column[0].element_size()] for column in rows], dtype=torch.int64)
-    return _cached(key, lambda: _Offsets(torch.tensor(addresses, dtype=torch.int64).view(len(rows), -1), sizes, device))
+    return _cached(key, lambda: _Offsets(torch.tensor(addresses, dtype=torch.int64).view(len(rows), -1),
+                                         torch.tensor([[column[0].element_size()] for column in rows]), device))
