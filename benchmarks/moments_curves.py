@@ -7,10 +7,15 @@ only where its curve stays within it).
     python benchmarks/moments_curves.py OUT    # OUT holds curve-<moments>-seed<seed>/metrics.jsonl
 
 or, where only the trainer's output came back, curve-<moments>-<seed>.log (its lines `step N/T |
-... loss X | val_loss Y | ...` every log.every_steps, and `finished: ... val loss Y` at the end).
+... loss X | val_loss Y | ...` every log.every_steps, `finished: ... val loss Y` and `throughput: N
+tokens/s` at the end).
 It writes OUT/record.json and, with matplotlib, OUT/curves.png. The runs are `onenode train
 a2_pretrain/recipes/baseline.yaml` with the settings benchmarks/README.md gives (the commands go
 in the record's README beside it).
+
+Any other setting is read the same way against a reference of its own, which has seeds 0 and 1
+(`--reference sdpa`: curve-sdpa-seed0, curve-sdpa-seed1 and curve-flex-seed0 for the attention
+kernel, `model.attention_kernel`).
 """
 
 from __future__ import annotations
@@ -34,11 +39,13 @@ def read_curve(folder: Path) -> dict:
 
 STEP_LINE = re.compile(r"^step (\d+)/\d+ \| tokens [\d,]+ \| loss ([\d.eE+-]+)(?: \| val_loss ([\d.eE+-]+))?")
 FINISHED = re.compile(r"^finished: (\d+) steps, .* val loss ([\d.eE+-]+)")
+THROUGHPUT = re.compile(r"^throughput: ([\d,]+) tokens/s")
 
 
 def read_log(path: Path) -> dict:
-    """`read_curve` from the trainer's output instead of its metrics.jsonl."""
-    train, val = [], []
+    """`read_curve` from the trainer's output instead of its metrics.jsonl, with the run's throughput
+    (its last line, `throughput: N tokens/s`: the whole run, compiles and evaluations included)."""
+    train, val, tokens_per_s = [], [], None
     for line in path.read_text(errors="replace").splitlines():
         if match := STEP_LINE.match(line):
             train.append([int(match[1]), float(match[2])])
@@ -46,7 +53,9 @@ def read_log(path: Path) -> dict:
                 val.append([int(match[1]), float(match[3])])
         elif (match := FINISHED.match(line)) and not (val and val[-1][0] == int(match[1])):
             val.append([int(match[1]), float(match[2])])
-    return summarized(train, val)
+        elif match := THROUGHPUT.match(line):
+            tokens_per_s = int(match[1].replace(",", ""))
+    return summarized(train, val) | {"tokens_per_s": tokens_per_s}
 
 
 def summarized(train: list, val: list) -> dict:
@@ -56,16 +65,16 @@ def summarized(train: list, val: list) -> dict:
             "final_val": val[-1][1] if val else None}
 
 
-def compare(curves: dict) -> dict:
-    """Each run against float32 seed 0 (its validation loss at the last step that it and both float32
-    runs evaluated, and the mean of its last training losses), and whether that difference is within
-    float32's own seed-to-seed one there."""
-    reference, other = curves.get("float32-seed0"), curves.get("float32-seed1")
+def compare(curves: dict, reference_name: str = "float32") -> dict:
+    """Each run against the reference's seed 0 (its validation loss at the last step that it and both
+    reference runs evaluated, and the mean of its last training losses), and whether that difference
+    is within the reference's own seed-to-seed one there."""
+    reference, other = curves.get(f"{reference_name}-seed0"), curves.get(f"{reference_name}-seed1")
     if reference is None or other is None:
         return {}
     out = {}
     for name, curve in curves.items():
-        if name.startswith("float32"):
+        if name.startswith(f"{reference_name}-"):
             continue
         evaluated = [dict(run["val"]) for run in (reference, other, curve)]
         shared = max(set(evaluated[0]) & set(evaluated[1]) & set(evaluated[2]), default=None)
@@ -76,7 +85,8 @@ def compare(curves: dict) -> dict:
         if curve["steps"] == reference["steps"] == other["steps"]:
             noise["tail_mean"] = other["tail_mean"] - reference["tail_mean"]
             differences["tail_mean"] = curve["tail_mean"] - reference["tail_mean"]
-        out[name] = {"val_step": shared, "float32_seed1_minus_seed0": noise, "minus_float32_seed0": differences,
+        out[name] = {"val_step": shared, f"{reference_name}_seed1_minus_seed0": noise,
+                     f"minus_{reference_name}_seed0": differences,
                      "within_noise": bool(differences) and len(differences) == 2
                      and all(abs(differences[key]) <= abs(noise[key]) for key in differences)}
     return out
@@ -105,7 +115,9 @@ def plot(curves: dict, path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", help="the folder holding curve-<moments>-seed<seed>/ run folders")
+    parser.add_argument("out", help="the folder holding curve-<setting>-seed<seed>/ run folders")
+    parser.add_argument("--reference", default="float32",
+                        help="the setting the others are held to, with its seeds 0 and 1 (default: float32 moments)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     curves = {}
@@ -117,9 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         elif log and f"{log[1]}-seed{log[2]}" not in curves:
             curves[f"{log[1]}-seed{log[2]}"] = read_log(path)
     if not curves:
-        raise SystemExit(f"no curve-<moments>-seed<seed>/metrics.jsonl or curve-<moments>-<seed>.log under {out}")
-    record = {"what": "the A2 baseline's loss with AdamW's moments in float32 (two seeds), bfloat16 and int8",
-              "tail_steps": TAIL_STEPS, "curves": curves, "comparison": compare(curves)}
+        raise SystemExit(f"no curve-<setting>-seed<seed>/metrics.jsonl or curve-<setting>-<seed>.log under {out}")
+    what = (f"the A2 baseline's loss by setting, against {args.reference}'s two seeds" if args.reference != "float32"
+            else "the A2 baseline's loss with AdamW's moments in float32 (two seeds), bfloat16 and int8")
+    record = {"what": what, "tail_steps": TAIL_STEPS, "reference": args.reference, "curves": curves,
+              "comparison": compare(curves, args.reference)}
     (out / "record.json").write_text(json.dumps(record, indent=2) + "\n")
     plotted = plot(curves, out / "curves.png")
     for name, curve in curves.items():

@@ -15,7 +15,6 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py router-bf16-gemm -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py ssd-carry-recurrence -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py ssd-carry-bf16 -- BENCH_OPTIONS
-    PYTHONPATH=starter_code python3 benchmarks/step_probes.py flex-attention --mask-len 4096 -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
 - `tf32`: float32 matmuls (the router, the SSD's cross-chunk carry) on TF32 tensor cores;
@@ -52,13 +51,7 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
   (`ssd_probe.carry_by_recurrence`), not `model/mamba2.py`'s float32 product with the matrix of
   decays (three CUDA-core GEMMs, about 13 ms of that step);
 - `ssd-carry-bf16`: that product on bf16 operands with float32 accumulation (`ssd_probe.carry_on_bf16`),
-  on tensor cores;
-- `flex-attention --mask-len N`: attention as FlexAttention (compiled with its layer: the layers must
-  compile) with a causal block mask over N tokens, not SDPA. Its backward computes dQ in programs of
-  its own, adding nothing with atomics, so torch's deterministic mode leaves it as it is; SDPA's flash
-  backward there takes a slower deterministic path (about 19.5 ms of the A2 baseline's deterministic
-  step against cuDNN's 7.6 ms, results/2026-12-06-h100-expert-counts-int8/). A GPU only (flex has no
-  backward on a CPU).
+  on tensor cores.
 
 Probes combine: `fsdp-one-rank one-unit -- ...` applies both.
 
@@ -153,35 +146,15 @@ def route_on_bf16_gemms() -> None:
     _functional_with(moe, linear=linear)
 
 
-def attend_with_flex(seq_len: int, device: str = "cuda") -> None:
-    """`model/attention.py`'s causal SDPA as FlexAttention with a causal block mask over `seq_len` tokens,
-    built here once (outside any compiled graph)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    from onenode.model import attention
-
-    mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, seq_len, seq_len, device=device)
-
-    def causal_flex(q, k, v, is_causal, enable_gqa):
-        if not is_causal or q.shape[-2] != seq_len:
-            raise ValueError(f"flex-attention: the probe's mask is causal over {seq_len} tokens (--mask-len), "
-                             f"this call is {'causal' if is_causal else 'not causal'} over {q.shape[-2]}")
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
-
-    _functional_with(attention, scaled_dot_product_attention=causal_flex)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage="%(prog)s PROBE [PROBE ...] [--logits N] [--mode M] [--chunk N] "
-                                           "[--mask-len N] -- BENCH_OPTIONS")
+                                           "-- BENCH_OPTIONS")
     parser.add_argument("probes", nargs="+", metavar="PROBE",
                         choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
                                  "router-own-unit", "one-unit", "fsdp-one-rank", "unfused-update",
-                                 "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence", "ssd-carry-bf16",
-                                 "flex-attention"])
+                                 "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence", "ssd-carry-bf16"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
-    parser.add_argument("--mask-len", type=int, help="flex-attention: the sequence length of every attention call")
     parser.add_argument("--chunk", type=int, help="update-chunk: parameters per compiled update call")
     parser.add_argument("--mode", choices=["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="compile-mode: torch.compile's mode for every compiled layer")
@@ -230,10 +203,6 @@ def main() -> int:
                                           else ssd_probe.carry_on_bf16)
         elif not torch.cuda.is_available():
             parser.error(f"{probe} needs a CUDA GPU: none is visible here")
-        elif probe == "flex-attention":
-            if args.mask_len is None:
-                parser.error("flex-attention needs --mask-len N, the sequence length (the bench's seq_len)")
-            attend_with_flex(args.mask_len)
         else:
             sites = count_host_syncs()
     rc = onenode_main(["bench", *bench_options])

@@ -163,6 +163,60 @@ def test_layers_compose_one_by_one():
     torch.testing.assert_close(model.lm_head(model.backbone.norm_f(hidden)), model(ids).logits)
 
 
+def test_flex_attention_is_sdpas_causal_attention():
+    """`attention_kernel: flex` (FlexAttention over a causal block mask, `model/attention.py`) is the
+    model's SDPA attention: the same weights give the same loss (float32, a length that is no
+    multiple of the mask's blocks; a CPU has FlexAttention's forward only, the GPU test below
+    checks the backward); the choice stays out of config.json; a kernel the kit has not, or flex
+    training on a CPU, is refused in one line."""
+    from onenode.model import attention
+    from onenode.train.assembly import assemble
+    from onenode.train.recipe import RecipeError, from_dict
+
+    attention._BLOCK_MASKS.clear()
+    configs = get_preset("tiny"), get_preset("tiny", attention_kernel="flex")
+    models = [build_model(config, seed=0) for config in configs]
+    ids, labels = _batch(configs[0], seq=150)
+    with torch.no_grad():
+        losses = [model(ids, labels).loss for model in models]
+    torch.testing.assert_close(losses[1], losses[0])
+    assert list(attention._BLOCK_MASKS) == [(150, "cpu")]  # the flex model's attention ran FlexAttention
+    assert "attention_kernel" not in configs[1].to_hf_dict()
+    with pytest.raises(ValueError, match="attention_kernel is sdpa or flex"):
+        get_preset("tiny", attention_kernel="flash")
+    recipe = from_dict({"name": "flex", "model": {"preset": "tiny", "overrides": {"attention_kernel": "flex"}},
+                        "data": {"source": "synthetic"}, "train": {"token_budget": 64, "seq_len": 32,
+                                                                   "global_batch_size": 2, "device": "cpu"}})
+    with pytest.raises(RecipeError, match="attention_kernel flex trains on a GPU"):
+        assemble(recipe)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's Triton kernels run on a GPU")
+def test_flex_attention_is_deterministic_compiled_on_a_gpu():
+    """Compiled on a GPU under torch's deterministic algorithms, FlexAttention's backward gives the
+    same bits twice (no atomics: what graded A2 runs need) and SDPA's numbers within bf16."""
+    from onenode.model.attention import flex_attention
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(2, heads, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for heads in (16, 2, 2))
+        grads = []
+        for _ in range(2):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            flex_attention(*leaves, grouped_query=True).float().square().sum().backward()
+            grads.append([t.grad for t in leaves])
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        sdpa = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+        sdpa.float().square().sum().backward()
+        for flex, sdpa in zip(grads[0], (t.grad for t in leaves)):
+            torch.testing.assert_close(flex.float(), sdpa.float(), rtol=0.05, atol=0.05)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_bf16_autocast_forward_backward_on_cpu():
     config = get_preset("tiny")
     model = build_model(config, seed=0)

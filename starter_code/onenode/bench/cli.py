@@ -56,6 +56,9 @@ def register(subparsers) -> None:
                                 "torch's AdamW, not the fused update (train/master_update.py)")
     shorthand.add_argument("--mamba-kernel", default=None, choices=["auto", "torch", "mamba_ssm"],
                            help="model.mamba_kernel: the Mamba2 scan")
+    shorthand.add_argument("--attention-kernel", default=None, choices=["sdpa", "flex"],
+                           help="model.attention_kernel: torch's SDPA or FlexAttention (deterministic without "
+                                "flash attention's slower backward)")
     shorthand.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
                            help="train.precision: bf16 computes on bf16 copies of float32 masters (default: bf16 on "
                                 "CUDA, fp32 on CPU)")

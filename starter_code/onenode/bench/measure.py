@@ -22,7 +22,8 @@ from .peer import build_transformers_peer
 from .record import RECORD_VERSION, command_line
 
 # `onenode bench`'s shorthand options: each sets one recipe field (None: not given)
-SHORTHANDS = {"preset": "model.preset", "mamba_kernel": "model.mamba_kernel", "seed": "seed",
+SHORTHANDS = {"preset": "model.preset", "mamba_kernel": "model.mamba_kernel",
+              "attention_kernel": "model.attention_kernel", "seed": "seed",
               "seq_len": "train.seq_len", "micro_batch": "train.micro_batch_size", "dtype": "train.precision",
               "activation_checkpointing": "train.activation_checkpointing", "compile": "train.compile",
               "cuda_graphs": "train.cuda_graphs", "device": "train.device", "lr": "optimizer.lr",
@@ -217,7 +218,8 @@ def run(args) -> dict:
                    "float8": training.float8 and float8_summary(training.float8),
                    "unfused_update": not t.fused_update, "update_kernel": t.update_kernel(), "dtype": t.precision,
                    "optimizer": recipe.optimizer.name, "lr": recipe.optimizer.lr, "seed": recipe.seed,
-                   "mamba_kernel": config.mamba_kernel, "module": _qualified_name(training.parallel.model)},
+                   "mamba_kernel": config.mamba_kernel, "attention_kernel": config.attention_kernel,
+                   "module": _qualified_name(training.parallel.model)},
         "env": environment(world) | {"cuda": torch.version.cuda, "device_type": device.type},
         "steps": {"warmup": args.warmup, "measured": args.steps, "step_times_s": step_times,
                   "warmup_step_times_s": warmup_times,

@@ -69,6 +69,10 @@ class NemotronHConfig:
     # numerics unasked (a replay elsewhere would differ), and the compiled torch scan is what the
     # records measure; `onenode bench --mamba-kernel mamba_ssm` compares the two.
     mamba_kernel: str = "torch"
+    # Which attention kernel: "sdpa" (torch's: cuDNN or flash attention) or "flex" (FlexAttention
+    # over a causal block mask: deterministic without flash attention's slower backward; see
+    # `attention.py`). Like mamba_kernel, not part of the architecture: no config.json has it.
+    attention_kernel: str = "sdpa"
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -108,6 +112,7 @@ class NemotronHConfig:
             (self.n_routed_experts % self.n_group == 0, "n_routed_experts must be a multiple of n_group"),
             (self.topk_group <= self.n_group, "topk_group exceeds n_group"),
             (self.mamba_kernel in ("auto", "torch", "mamba_ssm"), "mamba_kernel is auto, torch or mamba_ssm"),
+            (self.attention_kernel in ("sdpa", "flex"), "attention_kernel is sdpa or flex"),
         ]
         for ok, message in checks:
             if not ok:
@@ -122,6 +127,7 @@ class NemotronHConfig:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d.pop("name")
         d.pop("mamba_kernel")
+        d.pop("attention_kernel")
         d["time_step_limit"] = list(self.time_step_limit)
         d.update(
             model_type="nemotron_h",
@@ -159,7 +165,8 @@ class NemotronHConfig:
         if isinstance(d.get("eos_token_id"), list):
             d["eos_token_id"] = d["eos_token_id"][0]
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names and k not in ("name", "mamba_kernel")})
+        kit_only = ("name", "mamba_kernel", "attention_kernel")
+        return cls(**{k: v for k, v in d.items() if k in names and k not in kit_only})
 
     def save(self, folder: str | Path) -> Path:
         path = Path(folder) / "config.json"

@@ -212,6 +212,9 @@ def assemble(recipe: Recipe, *, device: torch.device | str | None = None,
     if t.cuda_graphs and (world > 1 or device.type != "cuda"):
         raise RecipeError("recipe: train.cuda_graphs replays compiled layers in one process on a GPU (under FSDP they "
                           "would be recorded again every step): set it false, or run one process on a CUDA device")
+    if recipe.model.overrides.get("attention_kernel") == "flex" and device.type != "cuda":
+        raise RecipeError("recipe: model.attention_kernel flex trains on a GPU (FlexAttention has no backward on a "
+                          f"{device.type}): set it sdpa, or run on a CUDA device")
     if recipe.optimizer.state == "cpu" and world > 1:
         raise RecipeError(f"recipe: optimizer.state: cpu runs one process (FSDP across {world} ranks keeps the state "
                           "on each GPU): launch one process, or set optimizer.state device")
