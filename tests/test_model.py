@@ -191,6 +191,28 @@ def test_flex_attention_is_sdpas_causal_attention():
         assemble(recipe)
 
 
+def test_flex_attentions_mask_is_made_outside_the_compiled_layers():
+    """The backbone makes FlexAttention's causal mask before its layers run, so a compiled attention
+    layer finds it made and compiles once; made inside, dynamo would trace its making and compile the
+    layer again at the next call, when the cache no longer matches its guards."""
+    from torch._dynamo.testing import CompileCounter
+
+    from onenode.model import attention
+
+    config = get_preset("tiny", attention_kernel="flex")
+    model = build_model(config, seed=0)
+    attention._BLOCK_MASKS.clear()
+    counter = CompileCounter()
+    for layer in model.backbone.layers:
+        if layer.kind == "attention":
+            layer.forward = torch.compile(layer.forward, backend=counter, fullgraph=True)
+    ids, _ = _batch(config, seq=64)
+    with torch.no_grad():
+        model(ids)
+        model(ids)
+    assert list(attention._BLOCK_MASKS) == [(64, "cpu")] and counter.frame_count == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's Triton kernels run on a GPU")
 def test_flex_attention_is_deterministic_compiled_on_a_gpu():
     """Compiled on a GPU under torch's deterministic algorithms, FlexAttention's backward gives the
