@@ -10,11 +10,11 @@ profiles' `replay_tolerance` and `loss_tolerance` in a2_pretrain/rubric.toml are
 
 `honest`: the baseline recipe at one-GPU scale (below), 16 steps, verified with checkpoints every
 4 and every 8 steps on the GPU's default kernels, and every 4 with `train.deterministic: true`
-(`--only` adds seed 1, compiled blocks, and compiled blocks with mamba_ssm's scan under the mode:
-`deterministic-seed-1-every-4`, `deterministic-compiled-every-4`, `deterministic-mamba-ssm-every-4`,
-which needs mamba-ssm >= 2.3: `make mamba-ssm`); then the deterministic mode's cost: the baseline recipe's own
-model (25 layers, 64 experts), 12 steps of 8 x 4096 tokens each way, tokens per second from the
-run's manifest.
+(`--only` adds seed 1, compiled blocks, and compiled blocks with mamba_ssm's scan or with FlexAttention under
+the mode: `deterministic-seed-1-every-4`, `deterministic-compiled-every-4`, `deterministic-mamba-ssm-every-4`,
+which needs mamba-ssm >= 2.3: `make mamba-ssm`, `deterministic-flex-every-4`); then the deterministic
+mode's cost: the baseline recipe's own model (25 layers, 64 experts), 12 steps of 8 x 4096 tokens each
+way, tokens per second from the run's manifest.
 `graded`: the honest deterministic run and every forgery class graded end to end in one cohort
 (`grade_cohort`, as `onenode-grade a2 --cohort` does) on the profile as it is: its own replay
 fraction and tolerances, the offline suite, the honest run as the baseline; OUT/graded/ holds each
@@ -98,14 +98,15 @@ def honest_cases(scale: Scale) -> dict:
     """Name -> the scale of an honest run: deterministic kernels (first: the forgeries' runs need
     them), the default ones with two span lengths, then another seed and compiled blocks under
     the deterministic mode, and compiled blocks with mamba_ssm's scan in its own deterministic mode
-    (mamba-ssm >= 2.3 on a GPU; these three only when named with --only)."""
+    (mamba-ssm >= 2.3 on a GPU) or with FlexAttention (a GPU; these four only when named with --only)."""
     base, strict = deterministic(scale, False), deterministic(scale)
     compiled = setting(strict, **{"train.compile": True})
     return {f"deterministic-every-{scale.every}": strict, f"default-every-{scale.every}": base,
             f"default-every-{2 * scale.every}": every(base, 2 * scale.every),
             f"deterministic-seed-1-every-{scale.every}": setting(strict, seed=1),
             f"deterministic-compiled-every-{scale.every}": compiled,
-            f"deterministic-mamba-ssm-every-{scale.every}": setting(compiled, **{"model.mamba_kernel": "mamba_ssm"})}
+            f"deterministic-mamba-ssm-every-{scale.every}": setting(compiled, **{"model.mamba_kernel": "mamba_ssm"}),
+            f"deterministic-flex-every-{scale.every}": setting(compiled, **{"model.attention_kernel": "flex"})}
 
 
 def setting(scale: Scale, **settings) -> Scale:

@@ -15,6 +15,7 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py router-bf16-gemm -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py ssd-carry-recurrence -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py ssd-carry-bf16 -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py liger-loss -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
 - `tf32`: float32 matmuls (the router, the SSD's cross-chunk carry) on TF32 tensor cores;
@@ -51,7 +52,12 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
   (`ssd_probe.carry_by_recurrence`), not `model/mamba2.py`'s float32 product with the matrix of
   decays (three CUDA-core GEMMs, about 13 ms of that step);
 - `ssd-carry-bf16`: that product on bf16 operands with float32 accumulation (`ssd_probe.carry_on_bf16`),
-  on tensor cores.
+  on tensor cores;
+- `liger-loss`: the LM head and its loss as liger-kernel's fused linear cross-entropy (`pip install
+  liger-kernel`, 0.8.5: a Triton wheel of 0.9 MB), not `model/loss.py`'s chunked head (its logsumexp
+  kernel alone was 14.5 ms of the best layout's step on one H100,
+  results/2026-12-06-h100-head-grad-deterministic/). The same mean over the labels that are not -100;
+  the bench's first loss shows they agree. A GPU only.
 
 Probes combine: `fsdp-one-rank one-unit -- ...` applies both.
 
@@ -146,6 +152,21 @@ def route_on_bf16_gemms() -> None:
     _functional_with(moe, linear=linear)
 
 
+def loss_by_liger() -> None:
+    """`model/nemotron_h.py`'s fused head and loss as liger-kernel's fused linear cross-entropy."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError as e:
+        raise SystemExit(f"liger-loss needs liger-kernel ({e}): pip install liger-kernel") from None
+    from onenode.model import nemotron_h
+
+    def linear_cross_entropy(hidden, weight, labels):
+        return liger_fused_linear_cross_entropy(hidden.flatten(0, -2), weight, labels.flatten(),
+                                                ignore_index=loss.IGNORE_INDEX, reduction="mean")
+
+    nemotron_h.linear_cross_entropy = linear_cross_entropy
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage="%(prog)s PROBE [PROBE ...] [--logits N] [--mode M] [--chunk N] "
@@ -153,7 +174,8 @@ def main() -> int:
     parser.add_argument("probes", nargs="+", metavar="PROBE",
                         choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
                                  "router-own-unit", "one-unit", "fsdp-one-rank", "unfused-update",
-                                 "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence", "ssd-carry-bf16"])
+                                 "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence", "ssd-carry-bf16",
+                                 "liger-loss"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
     parser.add_argument("--chunk", type=int, help="update-chunk: parameters per compiled update call")
     parser.add_argument("--mode", choices=["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
@@ -203,6 +225,8 @@ def main() -> int:
                                           else ssd_probe.carry_on_bf16)
         elif not torch.cuda.is_available():
             parser.error(f"{probe} needs a CUDA GPU: none is visible here")
+        elif probe == "liger-loss":
+            loss_by_liger()
         else:
             sites = count_host_syncs()
     rc = onenode_main(["bench", *bench_options])

@@ -11,7 +11,7 @@ from kit_scripts import load_script
 
 from onenode import cli
 from onenode.flops import model_flops
-from onenode.model import get_preset
+from onenode.model import build_model, get_preset
 from onenode.profiling import kernel_mix, launches, self_times, time_split, union_us
 
 TINY = ["bench", "--preset", "tiny", "--seq-len", "32", "--steps", "2", "--warmup", "1", "--quiet"]
@@ -211,6 +211,50 @@ def test_step_probes_run_bench_with_one_setting_changed(tmp_path):
     refused = subprocess.run([sys.executable, str(script), "update-chunk", "--chunk", "0", "--", *bench_options],
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "update-chunk needs --chunk N, N >= 1" in refused.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="liger-kernel's Triton kernels run on a GPU"))])
+def test_liger_loss_probe_is_the_models_loss(monkeypatch, device):
+    """step_probes.py's liger-loss: the model's mean loss over the labels that are not -100 through
+    liger-kernel's fused linear cross-entropy, the kit's value (and on a GPU its gradients) to
+    rounding. On a CPU a stand-in with liger's signature checks the wiring (flattened rows, the
+    ignore index, the mean); without liger-kernel the probe refuses in one line."""
+    import sys
+    import types
+
+    import torch.nn.functional as F
+
+    from onenode.model import nemotron_h
+
+    probes = load_script("benchmarks/step_probes.py")
+    monkeypatch.setattr(nemotron_h, "linear_cross_entropy", nemotron_h.linear_cross_entropy)
+    if device == "cpu":
+        def stand_in(input, weight, target, ignore_index=-100, reduction="mean", **unused):
+            assert input.dim() == 2 and target.dim() == 1 and not unused
+            return F.cross_entropy(F.linear(input, weight).float(), target, ignore_index=ignore_index,
+                                   reduction=reduction)
+
+        liger = types.ModuleType("liger_kernel.transformers.functional")
+        liger.liger_fused_linear_cross_entropy = stand_in
+        monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", liger)
+    else:
+        pytest.importorskip("liger_kernel")
+    config = get_preset("tiny")
+    model = build_model(config, seed=0).to(device)
+    ids = torch.randint(0, config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0)).to(device)
+    labels = ids[:, 1:].clone()
+    labels[0, :5] = -100
+    want = model(ids[:, :-1], labels).loss
+    want_grad = torch.autograd.grad(want, model.lm_head.weight)[0]
+    probes.loss_by_liger()
+    got = model(ids[:, :-1], labels).loss
+    got_grad = torch.autograd.grad(got, model.lm_head.weight)[0]
+    torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", None)
+    with pytest.raises(SystemExit, match="liger-loss needs liger-kernel .*: pip install liger-kernel"):
+        probes.loss_by_liger()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.mm's out_dtype runs on a GPU")
