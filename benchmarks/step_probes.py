@@ -16,6 +16,7 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py ssd-carry-recurrence -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py ssd-carry-bf16 -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py liger-loss -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py reductions-benchmarked -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
 - `tf32`: float32 matmuls (the router, the SSD's cross-chunk carry) on TF32 tensor cores;
@@ -57,7 +58,14 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
   liger-kernel`, 0.8.5: a Triton wheel of 0.9 MB), not `model/loss.py`'s chunked head (its logsumexp
   kernel alone was 14.5 ms of the best layout's step on one H100,
   results/2026-12-06-h100-head-grad-deterministic/). The same mean over the labels that are not -100;
-  the bench's first loss shows they agree. A GPU only.
+  the bench's first loss shows they agree. A GPU only;
+- `reductions-benchmarked`: under torch's deterministic algorithms inductor keeps one config a
+  reduction kernel by a fixed rule (`triton_heuristics.filter_reduction_configs_for_determinism`:
+  another config may sum a row in another order) instead of timing its candidates; this probe
+  lets it time them, the bound on what that rule costs. In the A2 baseline's deterministic step two
+  of the torch scan's fused sums ran five times slower than without the mode
+  (results/2026-12-07-h100-deterministic-cost-int8-curve/). Its runs' bits may then differ between
+  runs: a measurement, not a mode to train in. A GPU only.
 
 Probes combine: `fsdp-one-rank one-unit -- ...` applies both.
 
@@ -167,6 +175,14 @@ def loss_by_liger() -> None:
     nemotron_h.linear_cross_entropy = linear_cross_entropy
 
 
+def reductions_benchmarked() -> None:
+    """Inductor's reduction kernels choose among their candidate configs by timing them, the
+    deterministic mode's one-config rule off (this process's; kernels load and tune here)."""
+    from torch._inductor.runtime import triton_heuristics
+
+    triton_heuristics.filter_reduction_configs_for_determinism = lambda inductor_meta, configs: configs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage="%(prog)s PROBE [PROBE ...] [--logits N] [--mode M] [--chunk N] "
@@ -175,7 +191,7 @@ def main() -> int:
                         choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
                                  "router-own-unit", "one-unit", "fsdp-one-rank", "unfused-update",
                                  "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence", "ssd-carry-bf16",
-                                 "liger-loss"])
+                                 "liger-loss", "reductions-benchmarked"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
     parser.add_argument("--chunk", type=int, help="update-chunk: parameters per compiled update call")
     parser.add_argument("--mode", choices=["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
@@ -227,6 +243,8 @@ def main() -> int:
             parser.error(f"{probe} needs a CUDA GPU: none is visible here")
         elif probe == "liger-loss":
             loss_by_liger()
+        elif probe == "reductions-benchmarked":
+            reductions_benchmarked()
         else:
             sites = count_host_syncs()
     rc = onenode_main(["bench", *bench_options])

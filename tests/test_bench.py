@@ -257,6 +257,30 @@ def test_liger_loss_probe_is_the_models_loss(monkeypatch, device):
         probes.loss_by_liger()
 
 
+def test_reductions_benchmarked_probe_lets_inductor_time_every_config(monkeypatch):
+    """step_probes.py's reductions-benchmarked: under deterministic algorithms inductor keeps one
+    config of a persistent reduction's candidates (a fixed rule); with the probe it keeps them all,
+    to time them. Read from inductor's own heuristics for an H100-like device."""
+    from torch._inductor.runtime import triton_heuristics
+    from torch._inductor.runtime.hints import DeviceProperties, ReductionHint
+
+    monkeypatch.setattr(triton_heuristics, "filter_reduction_configs_for_determinism",
+                        triton_heuristics.filter_reduction_configs_for_determinism)
+    h100 = DeviceProperties(type="cuda", index=0, multi_processor_count=132, cc=90, major=9,
+                            regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                            max_threads_per_block=1024, warp_size=32)
+
+    def candidates():
+        return triton_heuristics.persistent_reduction(
+            {"x": 1 << 20, "r0_": 64}, reduction_hint=ReductionHint.DEFAULT,
+            triton_meta={"device": h100, "signature": {}},
+            inductor_meta={"are_deterministic_algorithms_enabled": True}, return_configs=True)
+
+    assert len(candidates()) == 1
+    load_script("benchmarks/step_probes.py").reductions_benchmarked()
+    assert len(candidates()) > 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.mm's out_dtype runs on a GPU")
 def test_router_bf16_gemm_probe_matches_float32_routing():
     """step_probes.py's router logits from bf16 GEMMs with float32 output: on bf16 values the forward
