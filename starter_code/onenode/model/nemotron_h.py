@@ -56,10 +56,10 @@ class NemotronHModel(nn.Module):
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.flex_attention = config.attention_kernel == "flex" and "attention" in config.layer_kinds
+        self.attends_with_flex = config.attention_kernel == "flex" and "attention" in config.layer_kinds
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.flex_attention:  # the causal mask made here, eager: made in a compiled layer, it recompiles once made
+        if self.attends_with_flex:  # the causal mask made here, eager (made in a compiled layer, it recompiles)
             causal_block_mask(input_ids.shape[1], input_ids.device)
         hidden_states = self.embeddings(input_ids)
         for layer in self.layers:
