@@ -17,6 +17,7 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py ssd-carry-bf16 -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py liger-loss -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py reductions-benchmarked -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py inductors-reduction-rule -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
 - `tf32`: float32 matmuls (the router, the SSD's cross-chunk carry) on TF32 tensor cores;
@@ -65,7 +66,11 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
   lets it time them, the bound on what that rule costs. In the A2 baseline's deterministic step two
   of the torch scan's fused sums ran five times slower than without the mode
   (results/2026-12-07-h100-deterministic-cost-int8-curve/). Its runs' bits may then differ between
-  runs: a measurement, not a mode to train in. A GPU only.
+  runs: a measurement, not a mode to train in. Its kernels compile in this process (inductor's
+  compile workers would keep the rule). A GPU only;
+- `inductors-reduction-rule`: the deterministic mode's tiled reductions keep the config inductor's
+  own rule picks (the smallest tile), not the kit's largest
+  (`parallel.compile_and_checkpoint.tile_deterministic_reductions`): the step before that rule.
 
 Probes combine: `fsdp-one-rank one-unit -- ...` applies both.
 
@@ -177,10 +182,11 @@ def loss_by_liger() -> None:
 
 def reductions_benchmarked() -> None:
     """Inductor's reduction kernels choose among their candidate configs by timing them, the
-    deterministic mode's one-config rule off (this process's; kernels load and tune here)."""
+    deterministic mode's one-config rule off; they compile in this process, which has the change."""
     from torch._inductor.runtime import triton_heuristics
 
     triton_heuristics.filter_reduction_configs_for_determinism = lambda inductor_meta, configs: configs
+    torch._inductor.config.compile_threads = 1  # a compile worker would load the kernels with the rule
 
 
 def main() -> int:
@@ -191,7 +197,7 @@ def main() -> int:
                         choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
                                  "router-own-unit", "one-unit", "fsdp-one-rank", "unfused-update",
                                  "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence", "ssd-carry-bf16",
-                                 "liger-loss", "reductions-benchmarked"])
+                                 "liger-loss", "reductions-benchmarked", "inductors-reduction-rule"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
     parser.add_argument("--chunk", type=int, help="update-chunk: parameters per compiled update call")
     parser.add_argument("--mode", choices=["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
@@ -239,6 +245,10 @@ def main() -> int:
 
             mamba2.carry_across_chunks = (ssd_probe.carry_by_recurrence if probe == "ssd-carry-recurrence"
                                           else ssd_probe.carry_on_bf16)
+        elif probe == "inductors-reduction-rule":
+            from onenode.train import assembly
+
+            assembly.tile_deterministic_reductions = lambda: False
         elif not torch.cuda.is_available():
             parser.error(f"{probe} needs a CUDA GPU: none is visible here")
         elif probe == "liger-loss":

@@ -197,3 +197,37 @@ def test_moe_blocks_compile_without_graph_breaks(layout, checkpointed):
     assert result["moe_layers"] >= 1
     assert result["breaks"] == {}, result
     assert result["load_counted"] == result["load_of_one_forward"]
+
+
+def test_deterministic_tiled_reductions_keep_their_largest_tile(monkeypatch):
+    """Under deterministic algorithms inductor keeps one config of each reduction's candidates; for a
+    tiled reduction (YBLOCK and XBLOCK) the kit's rule keeps the largest tile, not inductor's
+    smallest (one row a program), and an untiled reduction keeps inductor's pick. Kernels then
+    compile in this process, where the rule is. Read from inductor's own heuristics for an H100."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.runtime import triton_heuristics
+    from torch._inductor.runtime.hints import DeviceProperties, ReductionHint
+
+    from onenode.parallel.compile_and_checkpoint import tile_deterministic_reductions
+
+    monkeypatch.setattr(triton_heuristics, "filter_reduction_configs_for_determinism",
+                        triton_heuristics.filter_reduction_configs_for_determinism)
+    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)
+    h100 = DeviceProperties(type="cuda", index=0, multi_processor_count=132, cc=90, major=9,
+                            regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                            max_threads_per_block=1024, warp_size=32)
+
+    def kept(size_hints, deterministic=True):
+        configs = triton_heuristics.persistent_reduction(
+            size_hints, reduction_hint=ReductionHint.INNER, triton_meta={"device": h100, "signature": {}},
+            inductor_meta={"are_deterministic_algorithms_enabled": deterministic}, return_configs=True)
+        return [(c.kwargs, c.num_warps) for c in configs]
+
+    tiled, untiled = {"y": 16384, "x": 32, "r0_": 64}, {"x": 1 << 20, "r0_": 64}
+    every_tile, inductors_tile, inductors_row = kept(tiled, False), kept(tiled), kept(untiled)
+    assert len(every_tile) > 1 and len(inductors_tile) == 1
+    assert tile_deterministic_reductions() and inductor_config.compile_threads == 1
+    largest = max(every_tile, key=lambda c: (c[0]["XBLOCK"] * c[0]["YBLOCK"], c[1]))
+    assert kept(tiled) == [largest] != inductors_tile
+    assert kept(untiled) == inductors_row and kept(tiled, False) == every_tile
+    assert tile_deterministic_reductions() and kept(tiled) == [largest]  # installed once

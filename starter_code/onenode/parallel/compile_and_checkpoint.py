@@ -9,6 +9,8 @@ tiny model held no compiled region at all.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -36,6 +38,37 @@ def apply_compile(model: nn.Module, mode: str, backend: str = "inductor", compil
             _compile_forward(layer, backend, compile_mode)
         elif layer.kind != "moe":
             _compile_forward(layer.mixer, backend, compile_mode)
+
+
+def tile_deterministic_reductions() -> bool:
+    """Under torch's deterministic algorithms inductor gives each reduction kernel one config, kept
+    by a fixed rule instead of by timing its candidates (another config may sum a row in another
+    order). For a tiled reduction (a YBLOCK beside XBLOCK: a sum over inputs laid out two ways)
+    that rule keeps the smallest tile, one row a program on two warps, and reads the transposed
+    input one element at a time: two of the torch scan's sums over head_dim ran five times slower
+    in the A2 baseline's deterministic step than timed (one H100). This rule keeps the largest tile
+    of those candidates instead, the most warps on a tie; other kernels keep inductor's rule. Still
+    a fixed rule: the same config, so the same bits, on every run. Inductor's compile workers never
+    import the kit, so its kernels compile in this process. False where this torch has no such
+    rule to replace (a torch older than 2.9)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.runtime import triton_heuristics
+
+    inductors_rule = getattr(triton_heuristics, "filter_reduction_configs_for_determinism", None)
+    if inductors_rule is None or getattr(inductors_rule, "keeps_largest_tile", False):
+        return inductors_rule is not None
+
+    def keep_one_config(inductor_meta, configs):
+        kept = inductors_rule(inductor_meta, configs)
+        if len(kept) == 1 and len(configs) > 1 and all("YBLOCK" in c.kwargs for c in configs):
+            return [max(configs, key=lambda c: (math.prod(v for k, v in c.kwargs.items() if k.endswith("BLOCK")),
+                                                c.num_warps))]
+        return kept
+
+    keep_one_config.keeps_largest_tile = True
+    triton_heuristics.filter_reduction_configs_for_determinism = keep_one_config
+    inductor_config.compile_threads = 1
+    return True
 
 
 # CUDA graphs as torch.compile's "reduce-overhead" mode makes them, except that a graph whose

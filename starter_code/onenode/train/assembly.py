@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from ..model import build_model
 from ..model.config import NemotronHConfig
 from ..parallel import ParallelDims, ParallelModel, parallelize
-from ..parallel.compile_and_checkpoint import cuda_graph_skips
+from ..parallel.compile_and_checkpoint import cuda_graph_skips, tile_deterministic_reductions
 from ..parallel.diloco import ReplicaGroups, replica_group
 from ..parallel.distributed import init_distributed, local_device
 from ..parallel.float8 import apply_float8
@@ -45,13 +45,15 @@ def use_deterministic_kernels() -> None:
     deterministic algorithms (an op that has none fails loudly rather than drifting), and SDPA
     without cuDNN attention, whose backward accumulates in no fixed order. New tensors are not
     filled with NaN first (torch's default in this mode, 188 fill kernels a step of the A2
-    baseline): no kernel of a step reads memory it has not written, so the fill changes no bit."""
+    baseline): no kernel of a step reads memory it has not written, so the fill changes no bit.
+    Inductor's tiled reductions keep their largest tile (`tile_deterministic_reductions`)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.enable_cudnn_sdp(False)
+    tile_deterministic_reductions()
 
 
 @dataclass(frozen=True)
