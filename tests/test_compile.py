@@ -203,16 +203,19 @@ def test_deterministic_tiled_reductions_keep_their_largest_tile(monkeypatch):
     """Under deterministic algorithms inductor keeps one config of each reduction's candidates; for a
     tiled reduction (YBLOCK and XBLOCK) the kit's rule keeps the largest tile, not inductor's
     smallest (one row a program), and an untiled reduction keeps inductor's pick. Kernels then
-    compile in this process, where the rule is. Read from inductor's own heuristics for an H100."""
+    compile in this process, where the rule is, and the rule changes inductor's cache key. Read from
+    inductor's own heuristics for an H100."""
+    import torch
     import torch._inductor.config as inductor_config
+    from torch._inductor import codecache
     from torch._inductor.runtime import triton_heuristics
     from torch._inductor.runtime.hints import DeviceProperties, ReductionHint
 
     from onenode.parallel.compile_and_checkpoint import tile_deterministic_reductions
 
+    installed = triton_heuristics.filter_reduction_configs_for_determinism  # by an earlier test, maybe
     monkeypatch.setattr(triton_heuristics, "filter_reduction_configs_for_determinism",
-                        triton_heuristics.filter_reduction_configs_for_determinism)
-    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)
+                        getattr(installed, "inductors_rule", installed))
     h100 = DeviceProperties(type="cuda", index=0, multi_processor_count=132, cc=90, major=9,
                             regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
                             max_threads_per_block=1024, warp_size=32)
@@ -223,11 +226,19 @@ def test_deterministic_tiled_reductions_keep_their_largest_tile(monkeypatch):
             inductor_meta={"are_deterministic_algorithms_enabled": deterministic}, return_configs=True)
         return [(c.kwargs, c.num_warps) for c in configs]
 
-    tiled, untiled = {"y": 16384, "x": 32, "r0_": 64}, {"x": 1 << 20, "r0_": 64}
-    every_tile, inductors_tile, inductors_row = kept(tiled, False), kept(tiled), kept(untiled)
-    assert len(every_tile) > 1 and len(inductors_tile) == 1
-    assert tile_deterministic_reductions() and inductor_config.compile_threads == 1
-    largest = max(every_tile, key=lambda c: (c[0]["XBLOCK"] * c[0]["YBLOCK"], c[1]))
-    assert kept(tiled) == [largest] != inductors_tile
-    assert kept(untiled) == inductors_row and kept(tiled, False) == every_tile
-    assert tile_deterministic_reductions() and kept(tiled) == [largest]  # installed once
+    graph = torch.fx.symbolic_trace(lambda x: (x.sin() * 2).sum(-1))
+    saved = inductor_config.compile_threads, inductor_config.post_grad_custom_post_pass
+    try:  # inductor's config is restored by hand: pytest's monkeypatch deletes the option on undo
+        inductor_config.post_grad_custom_post_pass = None
+        key_before = codecache.compiled_fx_graph_hash(graph, [torch.ones(4, 4)], {}, [])[0]
+        tiled, untiled = {"y": 16384, "x": 32, "r0_": 64}, {"x": 1 << 20, "r0_": 64}
+        every_tile, inductors_tile, inductors_row = kept(tiled, False), kept(tiled), kept(untiled)
+        assert len(every_tile) > 1 and len(inductors_tile) == 1
+        assert tile_deterministic_reductions() and inductor_config.compile_threads == 1
+        largest = max(every_tile, key=lambda c: (c[0]["XBLOCK"] * c[0]["YBLOCK"], c[1]))
+        assert kept(tiled) == [largest] != inductors_tile
+        assert kept(untiled) == inductors_row and kept(tiled, False) == every_tile
+        assert tile_deterministic_reductions() and kept(tiled) == [largest]  # installed once
+        assert codecache.compiled_fx_graph_hash(graph, [torch.ones(4, 4)], {}, [])[0] != key_before
+    finally:
+        inductor_config.compile_threads, inductor_config.post_grad_custom_post_pass = saved

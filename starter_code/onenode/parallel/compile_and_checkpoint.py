@@ -13,6 +13,7 @@ import math
 
 import torch
 from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -49,14 +50,17 @@ def tile_deterministic_reductions() -> bool:
     in the A2 baseline's deterministic step than timed (one H100). This rule keeps the largest tile
     of those candidates instead, the most warps on a tie; other kernels keep inductor's rule. Still
     a fixed rule: the same config, so the same bits, on every run. Inductor's compile workers never
-    import the kit, so its kernels compile in this process. False where this torch has no such
-    rule to replace (a torch older than 2.9)."""
+    import the kit, so its kernels compile in this process; and the rule is part of inductor's
+    cache key, so kernels cached under inductor's own rule are not taken for it. False where this
+    torch has no such rule to replace (a torch older than 2.9)."""
     import torch._inductor.config as inductor_config
     from torch._inductor.runtime import triton_heuristics
 
     inductors_rule = getattr(triton_heuristics, "filter_reduction_configs_for_determinism", None)
-    if inductors_rule is None or getattr(inductors_rule, "keeps_largest_tile", False):
-        return inductors_rule is not None
+    if inductors_rule is None:
+        return False
+    if hasattr(inductors_rule, "inductors_rule"):  # installed already
+        return True
 
     def keep_one_config(inductor_meta, configs):
         kept = inductors_rule(inductor_meta, configs)
@@ -65,10 +69,24 @@ def tile_deterministic_reductions() -> bool:
                                                 c.num_warps))]
         return kept
 
-    keep_one_config.keeps_largest_tile = True
+    keep_one_config.inductors_rule = inductors_rule
     triton_heuristics.filter_reduction_configs_for_determinism = keep_one_config
     inductor_config.compile_threads = 1
+    if inductor_config.post_grad_custom_post_pass is None:
+        inductor_config.post_grad_custom_post_pass = LargestTileCacheKey()
     return True
+
+
+class LargestTileCacheKey(CustomGraphPass):
+    """A pass that changes no graph: its uuid puts `tile_deterministic_reductions`'s rule into
+    inductor's cache key (which has the passes' uuids), so a graph compiled under another rule is
+    compiled again rather than read from the cache."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        pass
+
+    def uuid(self) -> str:
+        return "onenode: deterministic tiled reductions keep their largest tile"
 
 
 # CUDA graphs as torch.compile's "reduce-overhead" mode makes them, except that a graph whose

@@ -45,15 +45,13 @@ def use_deterministic_kernels() -> None:
     deterministic algorithms (an op that has none fails loudly rather than drifting), and SDPA
     without cuDNN attention, whose backward accumulates in no fixed order. New tensors are not
     filled with NaN first (torch's default in this mode, 188 fill kernels a step of the A2
-    baseline): no kernel of a step reads memory it has not written, so the fill changes no bit.
-    Inductor's tiled reductions keep their largest tile (`tile_deterministic_reductions`)."""
+    baseline): no kernel of a step reads memory it has not written, so the fill changes no bit."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.enable_cudnn_sdp(False)
-    tile_deterministic_reductions()
 
 
 @dataclass(frozen=True)
@@ -225,6 +223,8 @@ def assemble(recipe: Recipe, *, device: torch.device | str | None = None,
                           "up their gradients on the masters): set train.micro_batch_size 0")
     if t.deterministic:
         use_deterministic_kernels()
+        if t.compile and device.type == "cuda":
+            tile_deterministic_reductions()  # inductor's Triton reductions: one config each, by the kit's rule
     config = recipe.model_config()
     torch.manual_seed(recipe.seed)
     model = build_model(config, seed=recipe.seed, device=device)
