@@ -52,7 +52,7 @@ def tile_deterministic_reductions() -> bool:
     a fixed rule: the same config, so the same bits, on every run. Inductor's compile workers never
     import the kit, so its kernels compile in this process; and the rule is part of inductor's
     cache key, so kernels cached under inductor's own rule are not taken for it. False where this
-    torch has no such rule to replace (a torch older than 2.9)."""
+    torch has no such rule to replace (an older torch)."""
     import torch._inductor.config as inductor_config
     from torch._inductor.runtime import triton_heuristics
 
