@@ -18,6 +18,7 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py liger-loss -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py reductions-benchmarked -- BENCH_OPTIONS
     PYTHONPATH=starter_code python3 benchmarks/step_probes.py inductors-reduction-rule -- BENCH_OPTIONS
+    PYTHONPATH=starter_code python3 benchmarks/step_probes.py fork-workers -- BENCH_OPTIONS
 
 - `loss-chunk --logits N`: the fused head's chunk holds N logits (`model/loss.py`'s `CHUNK_LOGITS`);
 - `tf32`: float32 matmuls (the router, the SSD's cross-chunk carry) on TF32 tensor cores;
@@ -70,7 +71,13 @@ Run from a kit tree (a patched copy, for the solution), on a GPU:
   compile workers would keep the rule). A GPU only;
 - `inductors-reduction-rule`: the deterministic mode's tiled reductions keep the config inductor's
   own rule picks (the smallest tile), not the kit's largest
-  (`parallel.compile_and_checkpoint.tile_deterministic_reductions`): the step before that rule.
+  (`parallel.compile_and_checkpoint.tile_deterministic_reductions`): the step before that rule;
+- `fork-workers`: the kit's rule, with inductor's compile workers forked from this process (inductor's
+  `worker_start_method = "fork"`, its default number of them) instead of every kernel compiled here:
+  a forked worker has the rule, so a cold compile could run in parallel again (the rule's in-process
+  compile took a cold first step of the A2 baseline from 29 s to 70 s on one H100). Whether a worker
+  forked after CUDA started applies it is what the run shows: the torch scan's two tiled sums take
+  about 1.2 ms a step with the rule, 5.3 without.
 
 Probes combine: `fsdp-one-rank one-unit -- ...` applies both.
 
@@ -189,6 +196,19 @@ def reductions_benchmarked() -> None:
     torch._inductor.config.compile_threads = 1  # a compile worker would load the kernels with the rule
 
 
+def forking_workers(install_rule):
+    """`install_rule` (the kit's tiled-reduction rule), then inductor's compile workers forked from this
+    process, as many as inductor starts by default, not none."""
+
+    def install_then_fork() -> bool:
+        installed = install_rule()
+        torch._inductor.config.compile_threads = torch._inductor.config.decide_compile_threads()
+        torch._inductor.config.worker_start_method = "fork"
+        return installed
+
+    return install_then_fork
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage="%(prog)s PROBE [PROBE ...] [--logits N] [--mode M] [--chunk N] "
@@ -197,7 +217,8 @@ def main() -> int:
                         choices=["loss-chunk", "tf32", "host-syncs", "cpp-wrapper", "compile-mode",
                                  "router-own-unit", "one-unit", "fsdp-one-rank", "unfused-update",
                                  "update-chunk", "router-bf16-gemm", "ssd-carry-recurrence", "ssd-carry-bf16",
-                                 "liger-loss", "reductions-benchmarked", "inductors-reduction-rule"])
+                                 "liger-loss", "reductions-benchmarked", "inductors-reduction-rule",
+                                 "fork-workers"])
     parser.add_argument("--logits", type=int, help="loss-chunk: logits per chunk")
     parser.add_argument("--chunk", type=int, help="update-chunk: parameters per compiled update call")
     parser.add_argument("--mode", choices=["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
@@ -249,6 +270,10 @@ def main() -> int:
             from onenode.train import assembly
 
             assembly.tile_deterministic_reductions = lambda: False
+        elif probe == "fork-workers":
+            from onenode.train import assembly
+
+            assembly.tile_deterministic_reductions = forking_workers(assembly.tile_deterministic_reductions)
         elif not torch.cuda.is_available():
             parser.error(f"{probe} needs a CUDA GPU: none is visible here")
         elif probe == "liger-loss":

@@ -281,6 +281,21 @@ def test_reductions_benchmarked_probe_lets_inductor_time_every_config(monkeypatc
     assert len(candidates()) > 1
 
 
+def test_fork_workers_probe_keeps_the_rule_and_forks_inductors_workers():
+    """step_probes.py's fork-workers: the kit's tiled-reduction rule installed, then inductor's compile
+    workers forked (they inherit the rule) and as many as inductor would start, not the rule's one."""
+    import torch._inductor.config as inductor_config
+
+    probes = load_script("benchmarks/step_probes.py")
+    saved = inductor_config.compile_threads, inductor_config.worker_start_method
+    try:  # restored by hand: pytest's monkeypatch deletes an inductor option on undo
+        assert probes.forking_workers(lambda: inductor_config.__setattr__("compile_threads", 1) or True)()
+        assert inductor_config.worker_start_method == "fork"
+        assert inductor_config.compile_threads == inductor_config.decide_compile_threads()
+    finally:
+        inductor_config.compile_threads, inductor_config.worker_start_method = saved
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.mm's out_dtype runs on a GPU")
 def test_router_bf16_gemm_probe_matches_float32_routing():
     """step_probes.py's router logits from bf16 GEMMs with float32 output: on bf16 values the forward
