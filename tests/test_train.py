@@ -185,6 +185,21 @@ def test_a_deterministic_recipe_trains_on_deterministic_kernels(tmp_path, monkey
     assert _small().training_sha256 != _small(**{"train.deterministic": True}).training_sha256  # it decides the bits
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="inductor's Triton reductions are a GPU's"))])
+def test_the_tiled_reduction_rule_is_taken_by_compiled_deterministic_runs_on_a_gpu(device, monkeypatch):
+    """`assemble` installs the kit's rule for inductor's tiled reductions only where it applies: a
+    compiled run under deterministic kernels on a GPU (no other run pays its in-process compile)."""
+    from onenode.train import assembly
+
+    installs = []
+    monkeypatch.setattr(assembly, "tile_deterministic_reductions", lambda: installs.append(device) or True)
+    monkeypatch.setattr(assembly, "use_deterministic_kernels", lambda: None)  # the process's kernels stay as they are
+    for deterministic, compiled in ((True, True), (True, False), (False, True)):
+        assembly.assemble(_small(**{"train.deterministic": deterministic, "train.compile": compiled}), device=device)
+    assert installs == (["cuda"] if device == "cuda" else [])
+
+
 def test_a_checkpoint_that_would_run_code_does_not_load(tmp_path):
     """The trainer state and DCP's metadata are pickles: loading them runs no code from the file."""
     import pickle
